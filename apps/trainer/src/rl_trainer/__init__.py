@@ -1,0 +1,1 @@
+"""rl-trainer: the thin reference trainer app."""

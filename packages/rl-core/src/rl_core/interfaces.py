@@ -1,0 +1,373 @@
+"""The seams of the framework.
+
+ABCs for stateful components (:class:`Policy`, :class:`Generator`, :class:`Buffer`,
+:class:`DataSource`, :class:`WeightTransport`); ``typing.Protocol`` for function seams
+(:class:`RewardFn`, :class:`GenerateFn`, :class:`GroupFilter`, :class:`AdvantageFn`,
+:class:`LossFn`), so a plain function satisfies them.
+
+Each component class has a nested ``Config`` dataclass and is built from it::
+
+    policy = HFPolicy(HFPolicy.Config(model_path="runs/tiny", lr=1e-4))
+
+The trainer wires them::
+
+    prompts = data.next_prompts(8)
+    groups = [await generate_fn(p, ctx) for p in prompts]    # GenerateFn over a Generator
+    buffer.put(groups); groups = buffer.take(8)
+    metrics = policy.train_step(batch, loss_fn)                # LossFn
+    update = transport.publish(policy.version, policy.named_weights())
+    await generator.update_weights(update, transport)
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from rl_core.types import (
+    AdvantageInputs,
+    GenerationRequest,
+    GenerationResult,
+    Group,
+    LogProbOutput,
+    LossOutput,
+    ModelShape,
+    Prompt,
+    Rollout,
+    SamplingParams,
+    TrainBatch,
+    WeightUpdate,
+)
+
+__all__ = [
+    "AdvantageFn",
+    "Buffer",
+    "DataSource",
+    "GenerateFn",
+    "Generator",
+    "GroupFilter",
+    "GroupRewardFn",
+    "LossFn",
+    "Policy",
+    "RewardFn",
+    "RolloutContext",
+    "Tokenizer",
+    "WeightTarget",
+    "WeightTransport",
+]
+
+
+class Tokenizer(Protocol):
+    """The part of a (Hugging Face) tokenizer the framework uses."""
+
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]:
+        """Text to token ids."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str:
+        """Token ids to text."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Stateful components (ABCs)
+# --------------------------------------------------------------------------------------------
+
+
+class Policy(abc.ABC):
+    """The trained model: log-probs, optimizer steps, weights out in Hugging Face naming.
+
+    Versions: a freshly built or loaded policy has ``version`` 0 (or the loaded one); every
+    ``train_step`` adds 1. Generators tag tokens with the version of the weights that sampled them.
+    """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Weight version: the number of optimizer steps applied since the initial weights."""
+
+    @property
+    @abc.abstractmethod
+    def model_shape(self) -> ModelShape:
+        """Architecture numbers for FLOPs estimation."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
+        """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens`` without gradients."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over all micro-batches of ``batch`` (gradient accumulation).
+
+        Returns step metrics: at least ``loss`` and ``grad_norm`` (before clipping), plus the sums of
+        the loss function's metrics over micro-batches.
+        """
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors in Hugging Face names, as the generator serves them."""
+
+    @abc.abstractmethod
+    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Write weights (Hugging Face format) and, optionally, optimizer state."""
+
+    @abc.abstractmethod
+    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Restore what :meth:`save` wrote, version included."""
+
+    def offload(self) -> None:  # noqa: B027 - optional capability
+        """Move weights and optimizer state off the accelerator (colocation); default no-op."""
+
+    def onload(self) -> None:  # noqa: B027 - optional capability
+        """Undo :meth:`offload`; default no-op."""
+
+
+class WeightTarget(Protocol):
+    """Something that can take new weights in place: a generator, or a policy used as reference."""
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights currently loaded."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Replace the weights named (Hugging Face names) and set the version."""
+        ...
+
+
+class Generator(abc.ABC):
+    """A rollout engine: token ids in, sampled token ids and log-probs out.
+
+    Capabilities are class attributes so conformance suites and the trainer can ask for them.
+    """
+
+    supports_abort: ClassVar[bool] = False
+    """``abort()`` ends in-flight requests early, returning their partial tokens."""
+    supports_pause: ClassVar[bool] = False
+    """``pause()``/``resume()`` hold new work without dropping what is in flight."""
+    supports_memory_release: ClassVar[bool] = False
+    """``release_memory()``/``resume_memory()`` free device memory for a colocated trainer."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights currently served."""
+
+    @abc.abstractmethod
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Serve the requests; results come back in request order."""
+
+    @abc.abstractmethod
+    async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
+        """Take the weights of ``update`` through ``transport``; on failure stay on the old ones."""
+
+    async def health(self) -> bool:
+        """True when the engine can serve requests."""
+        return True
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """Abort the given (or all) in-flight requests; they return with ``FinishReason.ABORT``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support abort")
+
+    async def pause(self) -> None:
+        """Stop starting new work until :meth:`resume`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support pause")
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support pause")
+
+    async def release_memory(self) -> None:
+        """Free device memory (weights, KV cache) for a colocated trainer."""
+        raise NotImplementedError(f"{type(self).__name__} does not support memory release")
+
+    async def resume_memory(self) -> None:
+        """Undo :meth:`release_memory`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support memory release")
+
+    async def close(self) -> None:  # noqa: B027 - optional
+        """Release processes, connections and threads; default no-op."""
+
+
+class Buffer(abc.ABC):
+    """Holds scored groups between generation and training."""
+
+    @abc.abstractmethod
+    def put(self, groups: Sequence[Group]) -> None:
+        """Add groups."""
+
+    @abc.abstractmethod
+    def take(self, n: int, *, min_version: int | None = None) -> list[Group] | None:
+        """Remove and return ``n`` groups, or ``None`` (and remove nothing) when fewer than ``n``
+        groups are available. Groups with tokens older than ``min_version`` are never returned."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of groups available."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to restore the buffer exactly (JSON- or torch-serialisable)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+class DataSource(abc.ABC):
+    """Yields prompts in a reproducible order with a resumable cursor."""
+
+    @abc.abstractmethod
+    def next_prompts(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts (crossing epochs as needed)."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Prompts per epoch."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor (epoch, position, RNG) as plain data."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the cursor so the next prompts equal those of an uninterrupted run."""
+
+
+class WeightTransport(abc.ABC):
+    """Moves trained weights to receivers, one explicit version at a time.
+
+    Sender side: :meth:`publish`. Receiver side: :meth:`receive` yields verified tensors;
+    :meth:`apply` loads them into a :class:`WeightTarget`. A receiver refuses a corrupt,
+    truncated or out-of-order update with :class:`~rl_core.errors.WeightSyncError` and keeps its
+    previous version.
+    """
+
+    name: ClassVar[str] = ""
+    """Registry name, copied into every :class:`WeightUpdate` it makes."""
+
+    @abc.abstractmethod
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
+        """Publish the full weights of ``version``; returns the handle receivers get."""
+
+    @abc.abstractmethod
+    def receive(self, update: WeightUpdate, *, current_version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Verified tensors of ``update`` for a receiver now on ``current_version``.
+
+        Raises :class:`~rl_core.errors.WeightSyncError` before yielding anything if the update is
+        not applicable (wrong base, replayed or skipped version, corrupt payload).
+        """
+
+    def apply(self, update: WeightUpdate, target: WeightTarget) -> None:
+        """Load ``update`` into ``target``; default: materialise all tensors, then load them.
+
+        Tensors are fully received and verified before the target is touched, so a failure
+        leaves the target on its previous version.
+        """
+        tensors = list(self.receive(update, current_version=target.weight_version))
+        target.load_weights(tensors, version=update.version)
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release channels and files; default no-op."""
+
+
+# --------------------------------------------------------------------------------------------
+# Function seams (Protocols)
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores one rollout: a float, or a mapping of named components (one is the reward key).
+
+    May be ``async``. Raising, or returning NaN/inf, marks the rollout failed (counted).
+    """
+
+    def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> Any:
+        """Return ``float | Mapping[str, float]`` (or an awaitable of it)."""
+        ...
+
+
+@runtime_checkable
+class GroupRewardFn(Protocol):
+    """Scores all rollouts of a group at once (pairwise or ranking rewards). May be ``async``."""
+
+    def __call__(self, prompt: Prompt, responses: Sequence[str], rollouts: Sequence[Rollout]) -> Any:
+        """Return one ``float | Mapping[str, float]`` per rollout (or an awaitable of the list)."""
+        ...
+
+
+@dataclass(slots=True, kw_only=True)
+class RolloutContext:
+    """What a :class:`GenerateFn` gets besides the prompt."""
+
+    generator: Generator
+    """The engine to sample from."""
+    tokenizer: Tokenizer
+    """The policy's tokenizer (for tool/observation text; never re-encode sampled tokens)."""
+    sampling: SamplingParams
+    """Default sampling settings for this run and phase (train or eval)."""
+    n_samples: int
+    """Rollouts wanted for the prompt (GRPO group size)."""
+    policy_version: int
+    """Version of the policy the generator should be serving."""
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams | None = None, *, request_id: str
+    ) -> GenerationResult:
+        """Sample one continuation of ``input_ids``."""
+        req = GenerationRequest(
+            request_id=request_id, input_ids=tuple(input_ids), sampling=sampling or self.sampling
+        )
+        (result,) = await self.generator.generate([req])
+        return result
+
+
+@runtime_checkable
+class GenerateFn(Protocol):
+    """A rollout workflow: single-turn sampling, multi-turn tool use, fan-out, agents.
+
+    Returns the rollouts for one prompt (``ctx.n_samples`` of them for a plain GRPO group; fan-out
+    siblings share a ``rollout_id``).
+    """
+
+    async def __call__(self, prompt: Prompt, ctx: RolloutContext) -> list[Rollout]:
+        """Generate the rollouts of ``prompt``."""
+        ...
+
+
+@runtime_checkable
+class GroupFilter(Protocol):
+    """Dynamic sampling: decide whether a scored group is kept for training."""
+
+    def __call__(self, group: Group) -> str | None:
+        """``None`` to keep the group, or a short drop reason (counted as a metric)."""
+        ...
+
+
+@runtime_checkable
+class AdvantageFn(Protocol):
+    """Turn rewards (and optionally KL, values) into per-token advantages."""
+
+    def __call__(self, inputs: AdvantageInputs) -> list[torch.Tensor]:
+        """N tensors ``[R_i]``: the advantage of each response token (0 off the mask)."""
+        ...
+
+
+@runtime_checkable
+class LossFn(Protocol):
+    """The training objective for one micro-batch."""
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None
+    ) -> LossOutput:
+        """``logprobs`` ``[T]`` carries gradients; return the weighted loss and metrics."""
+        ...
