@@ -138,7 +138,9 @@ class WeightTarget(Protocol):
         """Version of the weights currently loaded."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
         """Replace the weights named (Hugging Face names) and set the version."""
         ...
 
@@ -255,11 +257,15 @@ class WeightTransport(abc.ABC):
     """Registry name, copied into every :class:`WeightUpdate` it makes."""
 
     @abc.abstractmethod
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> WeightUpdate:
         """Publish the full weights of ``version``; returns the handle receivers get."""
 
     @abc.abstractmethod
-    def receive(self, update: WeightUpdate, *, current_version: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(
+        self, update: WeightUpdate, *, current_version: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Verified tensors of ``update`` for a receiver now on ``current_version``.
 
         Raises :class:`~rl_core.errors.WeightSyncError` before yielding anything if the update is
@@ -300,7 +306,9 @@ class RewardFn(Protocol):
 class GroupRewardFn(Protocol):
     """Scores all rollouts of a group at once (pairwise or ranking rewards). May be ``async``."""
 
-    def __call__(self, prompt: Prompt, responses: Sequence[str], rollouts: Sequence[Rollout]) -> Any:
+    def __call__(
+        self, prompt: Prompt, responses: Sequence[str], rollouts: Sequence[Rollout]
+    ) -> Any:
         """Return one ``float | Mapping[str, float]`` per rollout (or an awaitable of the list)."""
         ...
 
@@ -364,7 +372,12 @@ class AdvantageFn(Protocol):
 
 @runtime_checkable
 class LossFn(Protocol):
-    """The training objective for one micro-batch."""
+    """The training objective for one micro-batch.
+
+    Optional attributes a policy and the trainer read with ``getattr``:
+    ``requires_entropy`` (the policy passes the entropy ``[T]``, else ``None``) and
+    ``requires_ref_logprobs`` (the trainer fills ``TrainBatch.ref_logprobs``).
+    """
 
     def __call__(
         self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None

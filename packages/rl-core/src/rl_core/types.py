@@ -22,6 +22,7 @@ tokens::
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -322,8 +323,15 @@ class TrainBatch:
         t = self.tokens.shape[0]
         if int(self.cu_seqlens[-1]) != t or int(self.cu_seqlens[0]) != 0:
             raise ValueError("TrainBatch: cu_seqlens must start at 0 and end at len(tokens).")
-        for name in ("loss_mask", "loss_weights", "advantages", "old_logprobs", "ref_logprobs",
-                     "rollout_logprobs", "versions"):
+        for name in (
+            "loss_mask",
+            "loss_weights",
+            "advantages",
+            "old_logprobs",
+            "ref_logprobs",
+            "rollout_logprobs",
+            "versions",
+        ):
             v = getattr(self, name)
             if v is not None and v.shape != (t,):
                 raise ValueError(f"TrainBatch.{name}: shape {tuple(v.shape)}, expected ({t},).")
@@ -352,7 +360,7 @@ class TrainBatch:
         """Split along ``micro_batch_bounds`` into self-contained batches (one if no plan)."""
         bounds = self.micro_batch_bounds or (0, self.num_sequences)
         out = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             t0, t1 = int(self.cu_seqlens[a]), int(self.cu_seqlens[b])
 
             def cut(x: torch.Tensor | None, t0: int = t0, t1: int = t1) -> torch.Tensor | None:

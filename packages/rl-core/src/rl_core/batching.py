@@ -1,0 +1,108 @@
+"""Packing rollouts into padding-free :class:`~rl_core.types.TrainBatch` tensors.
+
+Per-token data of a rollout covers its response (``[R]``); packing places it at the response
+positions of the packed sequence and fills prompt positions with zeros (mask 0)::
+
+    tokens      p0 p1 p2 r0 r1 r2 | q0 q1 s0 s1
+    loss_mask    0  0  0  1  1  1 |  0  0  1  1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rl_core.types import Rollout, TrainBatch
+
+__all__ = ["pack_rollouts", "plan_micro_batches", "scatter_response"]
+
+
+def scatter_response(
+    rollouts: Sequence[Rollout], values: Sequence[Sequence[float] | torch.Tensor]
+) -> torch.Tensor:
+    """Place per-response values ``[R_i]`` of each rollout at its response positions of the
+    packed ``[T]`` layout (zeros at prompt positions)."""
+    parts = []
+    for r, v in zip(rollouts, values, strict=True):
+        v_R = torch.as_tensor(v, dtype=torch.float32)
+        if v_R.shape != (r.response_length,):
+            raise ValueError(
+                f"Rollout {r.sample_id}: {tuple(v_R.shape)} values for a response of "
+                f"{r.response_length} tokens."
+            )
+        parts.append(torch.zeros(r.response_start, dtype=torch.float32))
+        parts.append(v_R)
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def pack_rollouts(
+    rollouts: Sequence[Rollout],
+    *,
+    advantages: Sequence[Sequence[float] | torch.Tensor] | None = None,
+    loss_weights: torch.Tensor | None = None,
+    micro_batch_bounds: Sequence[int] = (),
+    mask_versions_below: int | None = None,
+) -> TrainBatch:
+    """Pack rollouts (in the given order) into one :class:`TrainBatch`.
+
+    ``advantages``: per rollout ``[R_i]`` (zeros when omitted, e.g. for SFT). ``loss_weights``:
+    ``[T]`` from :func:`rl_core.algorithms.aggregation.compute_loss_weights`; when omitted it is
+    the token mean over the loss mask. ``mask_versions_below``: zero the loss mask on tokens
+    produced by a policy version older than this (off-policy masking for partial rollouts).
+    """
+    if not rollouts:
+        raise ValueError("pack_rollouts: no rollouts to pack.")
+    lengths = [len(r.tokens) for r in rollouts]
+    cu_N1 = torch.zeros(len(rollouts) + 1, dtype=torch.int64)
+    cu_N1[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    tokens_T = torch.tensor([t for r in rollouts for t in r.tokens], dtype=torch.int64)
+    mask_T = scatter_response(rollouts, [r.loss_mask for r in rollouts])
+    versions_T = torch.cat(
+        [
+            torch.cat(
+                [
+                    torch.full((r.response_start,), -1, dtype=torch.int64),
+                    torch.tensor(r.versions, dtype=torch.int64),
+                ]
+            )
+            for r in rollouts
+        ]
+    )
+    # The first token of a sequence has no log-prob: never train on it.
+    mask_T[cu_N1[:-1]] = 0.0
+    if mask_versions_below is not None:
+        mask_T = mask_T * ((versions_T < 0) | (versions_T >= mask_versions_below)).float()
+    rollout_logp_T = scatter_response(rollouts, [r.rollout_logprobs for r in rollouts])
+    adv_T = (
+        scatter_response(rollouts, advantages) * mask_T
+        if advantages is not None
+        else torch.zeros_like(mask_T)
+    )
+    if loss_weights is None:
+        loss_weights = mask_T / mask_T.sum().clamp(min=1.0)
+    return TrainBatch(
+        tokens=tokens_T,
+        cu_seqlens=cu_N1,
+        loss_mask=mask_T,
+        loss_weights=loss_weights * mask_T,
+        advantages=adv_T,
+        rollout_logprobs=rollout_logp_T,
+        versions=versions_T,
+        sample_ids=tuple(r.sample_id for r in rollouts),
+        micro_batch_bounds=tuple(micro_batch_bounds),
+    )
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """Bounds ``[0, k1, ..., N]`` of consecutive micro-batches of at most ``max_tokens`` tokens
+    each (a single longer sequence gets a micro-batch of its own)."""
+    bounds = [0]
+    acc = 0
+    for i, n in enumerate(lengths):
+        if acc and acc + n > max_tokens:
+            bounds.append(i)
+            acc = 0
+        acc += n
+    bounds.append(len(lengths))
+    return tuple(bounds)

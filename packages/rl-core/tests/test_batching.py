@@ -1,0 +1,78 @@
+"""Packing rollouts into TrainBatch and splitting it into micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_core.batching import pack_rollouts, plan_micro_batches
+from rl_core.types import Rollout, RolloutStatus
+
+
+def _rollout(sid: str, prompt: list[int], resp: list[int], version: int = 0, mask=None) -> Rollout:
+    r = len(resp)
+    return Rollout(
+        prompt_uid="p",
+        rollout_id=sid,
+        sample_id=sid,
+        tokens=tuple(prompt + resp),
+        response_start=len(prompt),
+        loss_mask=tuple(mask or [1] * r),
+        rollout_logprobs=tuple(-0.5 for _ in range(r)),
+        versions=(version,) * r,
+    )
+
+
+def test_pack_layout():
+    a = _rollout("a", [1, 2, 3], [4, 5])
+    b = _rollout("b", [6], [7, 8, 9], version=2, mask=[1, 0, 1])
+    batch = pack_rollouts([a, b], advantages=[[1.0, 1.0], [2.0, 2.0, 2.0]])
+    assert batch.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert batch.cu_seqlens.tolist() == [0, 5, 9]
+    assert batch.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 0, 1]
+    assert batch.advantages.tolist() == [0, 0, 0, 1, 1, 0, 2, 0, 2]
+    assert batch.versions.tolist() == [-1, -1, -1, 0, 0, -1, 2, 2, 2]
+    assert batch.rollout_logprobs.tolist() == [0, 0, 0, -0.5, -0.5, 0, -0.5, -0.5, -0.5]
+    # default weights: token mean over the mask
+    assert torch.allclose(batch.loss_weights.sum(), torch.tensor(1.0))
+    assert batch.loss_weights.tolist()[3] == pytest.approx(0.25)
+    assert batch.position_ids().tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+
+
+def test_first_token_never_trained_and_version_mask():
+    a = _rollout("a", [], [4, 5, 6], version=1)  # empty prompt: first token has no log-prob
+    b = _rollout("b", [1], [2, 3], version=3)
+    batch = pack_rollouts([a, b], mask_versions_below=2)
+    assert batch.loss_mask.tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def test_micro_batches_roundtrip():
+    rs = [_rollout(str(i), [1] * (i + 1), [2] * 3) for i in range(5)]
+    bounds = plan_micro_batches([len(r.tokens) for r in rs], max_tokens=9)
+    assert bounds == (0, 2, 3, 4, 5)
+    batch = pack_rollouts(rs, micro_batch_bounds=bounds)
+    mbs = batch.micro_batches()
+    assert [m.num_sequences for m in mbs] == [2, 1, 1, 1]
+    assert torch.equal(torch.cat([m.tokens for m in mbs]), batch.tokens)
+    assert torch.equal(torch.cat([m.loss_weights for m in mbs]), batch.loss_weights)
+    assert all(int(m.cu_seqlens[0]) == 0 and int(m.cu_seqlens[-1]) == m.num_tokens for m in mbs)
+    assert tuple(s for m in mbs for s in m.sample_ids) == batch.sample_ids
+
+
+def test_over_cap_sequence_gets_its_own_micro_batch():
+    assert plan_micro_batches([3, 20, 3], max_tokens=8) == (0, 1, 2, 3)
+
+
+def test_rollout_validation():
+    with pytest.raises(ValueError, match="loss_mask has 1 entries but the response has 2"):
+        Rollout(
+            prompt_uid="p",
+            rollout_id="r",
+            sample_id="s",
+            tokens=(1, 2, 3),
+            response_start=1,
+            loss_mask=(1,),
+            rollout_logprobs=(0.0, 0.0),
+            versions=(0, 0),
+        )
+    assert RolloutStatus.TRUNCATED.is_trainable() and not RolloutStatus.ABORTED.is_trainable()
