@@ -1,0 +1,411 @@
+"""Loss functions: :class:`~rl_core.interfaces.LossFn` implementations and the value loss.
+
+Every loss is ``sum_t x_t * w_t`` with ``w_t = TrainBatch.loss_weights`` (see
+:mod:`rl_core.algorithms.aggregation`), so summing micro-batch losses over a step and its
+data-parallel ranks gives the step loss. Metrics are weighted the same way: summing them over
+micro-batches and ranks gives step means.
+
+Notation: ``logp`` current log-probs (with gradient), ``old`` ``TrainBatch.old_logprobs`` (or
+``sg(logp)`` when ``None``: on-policy, ratio 1 with the policy-gradient gradient), ``A_t`` the
+advantages, ``rho_t = exp(logp_t - old_t)``, ``eps_l``/``eps_h`` the clip range.
+
+**PolicyLoss** variants:
+
+- ``ppo``: ``L_t = max(-rho_t A_t, -clip(rho_t, 1-eps_l, 1+eps_h) A_t)`` (clip-higher when
+  ``eps_h > eps_l``). Dual clip ``c > 1``: for ``A_t < 0``, ``L_t = min(-c A_t, L_t)``.
+- ``gspo``: the same clip on the sequence ratio ``s_i = exp(mean_{t in i} m_t (logp_t - old_t))``,
+  broadcast to the tokens of sequence ``i``.
+- ``cispo``: ``L_t = -sg(clip(rho_t, 1-eps_l, 1+eps_h)) A_t logp_t``; the gradient
+  ``-clip(rho) A grad(logp)`` flows through every token, clipped or not.
+
+Then, in order: the mismatch weight of :mod:`rl_core.algorithms.correction` multiplies ``L_t``
+(``old`` vs ``TrainBatch.rollout_logprobs``); ``loss = sum L_t w_t``; the entropy bonus
+``- entropy_coef * sum H_t w_t``; the KL loss ``+ kl_coef * sum KL_t(logp, ref) w_t``.
+
+**SFTLoss**: ``-sum logp_t w_t``.
+
+**DistillationLoss** (on-policy distillation, reverse KL to a teacher whose log-probs are given as
+``TrainBatch.ref_logprobs``): the advantages are shaped to
+``A_t - coef (old_t - teacher_t)`` (:func:`distillation_advantages`), then a :class:`PolicyLoss`
+runs on them.
+
+**value_loss**: ``0.5 * sum max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) w`` (the
+``0.5`` is the usual PPO convention of verl, OpenRLHF and TRL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from rl_core.algorithms._segments import segment_sum, seq_index
+from rl_core.algorithms.correction import (
+    check_correction,
+    importance_weights,
+    logprob_mismatch,
+)
+from rl_core.algorithms.kl import KL_KINDS, kl_estimate
+from rl_core.errors import ConfigError, DataError
+from rl_core.types import LossOutput, TrainBatch
+
+__all__ = [
+    "LOSSES",
+    "POLICY_LOSS_VARIANTS",
+    "DistillationLoss",
+    "PolicyLoss",
+    "SFTLoss",
+    "distillation_advantages",
+    "value_loss",
+]
+
+POLICY_LOSS_VARIANTS: tuple[str, ...] = ("ppo", "gspo", "cispo")
+"""Names accepted by ``PolicyLoss.Config.variant``."""
+
+
+def _masked(x_T: torch.Tensor, on_T: torch.Tensor) -> torch.Tensor:
+    """``x_T`` on the mask, exactly 0 elsewhere (no NaN from inf * 0, no gradient off the mask)."""
+    return torch.where(on_T, x_T, 0.0)
+
+
+def _wsum(x_T: torch.Tensor, w_T: torch.Tensor) -> float:
+    """Detached ``sum x w`` as a Python float (a metric)."""
+    return float((x_T.detach() * w_T).sum())
+
+
+def _check_logprobs(logprobs_T: torch.Tensor, batch: TrainBatch, owner: str) -> None:
+    if logprobs_T.shape != (batch.num_tokens,):
+        raise DataError(
+            f"{owner}: logprobs has shape {tuple(logprobs_T.shape)} but the batch has "
+            f"{batch.num_tokens} tokens; pass one log-prob per packed token."
+        )
+
+
+class PolicyLoss:
+    """Clipped policy-gradient loss (PPO / GSPO / CISPO) with entropy, KL and mismatch correction.
+
+    Example::
+
+        loss_fn = PolicyLoss(PolicyLoss.Config(eps_clip_low=0.2, eps_clip_high=0.28,
+                                               correction="tis", kl_coef=0.01))
+        out = loss_fn(logprobs_T, batch, entropy_T)   # LossOutput(loss, metrics)
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`PolicyLoss`."""
+
+        variant: str = "ppo"
+        """``ppo`` (token ratio), ``gspo`` (sequence ratio) or ``cispo`` (clipped IS weight on
+        ``logp``)."""
+        eps_clip_low: float = 0.2
+        """Lower clip: the ratio is clipped at ``1 - eps_clip_low``."""
+        eps_clip_high: float | None = None
+        """Upper clip: ``1 + eps_clip_high``; ``None`` uses ``eps_clip_low`` (DAPO's clip-higher
+        sets it larger, e.g. 0.28)."""
+        dual_clip_c: float | None = None
+        """Dual-clip constant ``c > 1``: for negative advantages the loss is at most ``-c A``."""
+        entropy_coef: float = 0.0
+        """Entropy bonus weight (the loss subtracts ``entropy_coef * H``); > 0 needs entropy."""
+        log_entropy: bool = True
+        """Ask the policy for the entropy even without a bonus, to log it (metric ``entropy``)."""
+        kl_coef: float = 0.0
+        """KL-loss weight against ``TrainBatch.ref_logprobs``; > 0 needs ref log-probs."""
+        kl_type: str = "low_var_kl"
+        """KL estimator: ``k1``, ``k2``, ``k3`` or ``low_var_kl``."""
+        correction: str = "none"
+        """Train/inference mismatch correction: ``none``, ``tis``, ``mis`` or ``icepop``."""
+        correction_level: str = "token"
+        """``token``, ``sequence`` (product of ratios) or ``geometric`` (geometric mean)."""
+        correction_clip_low: float = 0.0
+        """Lower bound of the mismatch weight."""
+        correction_clip_high: float = 2.0
+        """Upper bound of the mismatch weight."""
+
+        def __post_init__(self) -> None:
+            owner = "PolicyLoss.Config"
+            if self.variant not in POLICY_LOSS_VARIANTS:
+                raise ConfigError(
+                    f"{owner}.variant: unknown {self.variant!r}; choose one of "
+                    f"{', '.join(POLICY_LOSS_VARIANTS)}."
+                )
+            if self.eps_clip_low < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
+                raise ConfigError(
+                    f"{owner}.eps_clip_low/eps_clip_high: must be >= 0, got "
+                    f"{self.eps_clip_low}/{self.eps_clip_high}."
+                )
+            if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+                raise ConfigError(
+                    f"{owner}.dual_clip_c: must be > 1 (e.g. 3.0) or None, got {self.dual_clip_c}."
+                )
+            if self.kl_type not in KL_KINDS:
+                raise ConfigError(
+                    f"{owner}.kl_type: unknown {self.kl_type!r}; choose one of {', '.join(KL_KINDS)}."
+                )
+            if self.kl_coef < 0:
+                raise ConfigError(f"{owner}.kl_coef: must be >= 0, got {self.kl_coef}.")
+            check_correction(
+                self.correction,
+                self.correction_level,
+                self.correction_clip_low,
+                self.correction_clip_high,
+                owner=owner,
+            )
+
+    def __init__(self, config: PolicyLoss.Config | None = None) -> None:
+        self.config = config or PolicyLoss.Config()
+
+    @property
+    def requires_entropy(self) -> bool:
+        """True when the policy should pass the entropy tensor (``entropy_coef != 0``, or
+        ``log_entropy``)."""
+        return self.config.entropy_coef != 0 or self.config.log_entropy
+
+    @property
+    def requires_ref_logprobs(self) -> bool:
+        """True when the loss needs ``TrainBatch.ref_logprobs`` (``kl_coef > 0``)."""
+        return self.config.kl_coef > 0
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
+    ) -> LossOutput:
+        """The weighted loss of one micro-batch and its weighted metrics."""
+        cfg = self.config
+        _check_logprobs(logprobs, batch, "PolicyLoss")
+        logp_T = logprobs
+        dtype = logp_T.dtype
+        on_T = batch.loss_mask > 0
+        m_T = on_T.to(dtype)
+        w_T = batch.loss_weights.to(dtype) * m_T
+        adv_T = _masked(batch.advantages.to(dtype), on_T)
+        old_T = logp_T.detach() if batch.old_logprobs is None else batch.old_logprobs.to(dtype)
+
+        # log-ratio, 0 off the mask so garbage log-probs there cannot overflow exp()
+        log_ratio_T = _masked(logp_T - old_T, on_T)
+        if cfg.variant == "gspo":
+            n = batch.num_sequences
+            seq_T = seq_index(batch.cu_seqlens)
+            count_N = segment_sum(m_T, seq_T, n).clamp_min(1.0)
+            log_ratio_T = (segment_sum(log_ratio_T, seq_T, n) / count_N)[seq_T] * m_T
+        ratio_T = torch.exp(log_ratio_T)
+
+        eps_low = cfg.eps_clip_low
+        eps_high = cfg.eps_clip_low if cfg.eps_clip_high is None else cfg.eps_clip_high
+        lo, hi = 1.0 - eps_low, 1.0 + eps_high
+        metrics: dict[str, float] = {}
+
+        if cfg.variant == "cispo":
+            clipped_ratio_T = ratio_T.clamp(lo, hi).detach()
+            pg_T = -clipped_ratio_T * adv_T * _masked(logp_T, on_T)
+            clipfrac_T = ((ratio_T < lo) | (ratio_T > hi)).to(dtype)
+        else:
+            loss1_T = -adv_T * ratio_T
+            loss2_T = -adv_T * ratio_T.clamp(lo, hi)
+            pg_T = torch.maximum(loss1_T, loss2_T)
+            clipfrac_T = (loss2_T > loss1_T).to(dtype)
+            if cfg.dual_clip_c is not None:
+                loss3_T = -adv_T * cfg.dual_clip_c
+                dual_T = (adv_T < 0) & (loss3_T < pg_T)
+                pg_T = torch.where(dual_T, loss3_T, pg_T)
+                metrics["pg_clipfrac_lower"] = _wsum(dual_T.to(dtype), w_T)
+
+        if batch.rollout_logprobs is not None:
+            roll_T = batch.rollout_logprobs.to(dtype)
+            metrics["mismatch"] = _wsum(logprob_mismatch(old_T, roll_T, m_T), w_T)
+        if cfg.correction != "none":
+            if batch.rollout_logprobs is None:
+                raise ConfigError(
+                    f"PolicyLoss.Config.correction = {cfg.correction!r} needs "
+                    "TrainBatch.rollout_logprobs (the engine's log-probs); have the generator "
+                    "return log-probs or set correction = 'none'."
+                )
+            corr = importance_weights(
+                old_T.detach(),
+                batch.rollout_logprobs.to(dtype),
+                m_T,
+                batch.cu_seqlens,
+                mode=cfg.correction,
+                level=cfg.correction_level,
+                clip_low=cfg.correction_clip_low,
+                clip_high=cfg.correction_clip_high,
+            )
+            pg_T = pg_T * corr.weights_T
+            metrics["tis_weight_mean"] = _wsum(corr.weights_T, w_T)
+            metrics["tis_clipfrac"] = _wsum(corr.clipped_T, w_T)
+
+        pg_loss = (pg_T * w_T).sum()
+        loss = pg_loss
+        metrics["pg_loss"] = float(pg_loss.detach())
+        metrics["pg_clipfrac"] = _wsum(clipfrac_T, w_T)
+        metrics["ppo_kl"] = _wsum(_masked(old_T - logp_T, on_T), w_T)
+
+        if entropy is not None:
+            ent_T = _masked(entropy.to(dtype), on_T)
+            metrics["entropy"] = _wsum(ent_T, w_T)
+            if cfg.entropy_coef != 0:
+                loss = loss - cfg.entropy_coef * (ent_T * w_T).sum()
+        elif cfg.entropy_coef != 0:
+            raise ConfigError(
+                f"PolicyLoss.Config.entropy_coef = {cfg.entropy_coef} needs the entropy tensor; "
+                "have the policy compute it (requires_entropy is True) or set entropy_coef = 0."
+            )
+
+        if batch.ref_logprobs is not None:
+            # mask the inputs, not the output: a NaN/inf off the mask must not reach backward
+            ref_T = _masked(batch.ref_logprobs.to(dtype), on_T)
+            kl_T = kl_estimate(_masked(logp_T, on_T), ref_T, cfg.kl_type)
+            metrics["kl"] = _wsum(kl_T, w_T)
+            if cfg.kl_coef > 0:
+                loss = loss + cfg.kl_coef * (kl_T * w_T).sum()
+        elif cfg.kl_coef > 0:
+            raise ConfigError(
+                f"PolicyLoss.Config.kl_coef = {cfg.kl_coef} needs TrainBatch.ref_logprobs; "
+                "configure a reference model or set kl_coef = 0."
+            )
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+class SFTLoss:
+    """Supervised fine-tuning: ``-sum logp_t w_t`` (negative log-likelihood, weighted)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`SFTLoss`."""
+
+        log_entropy: bool = True
+        """Ask the policy for the entropy, to log it (metric ``entropy``)."""
+
+    def __init__(self, config: SFTLoss.Config | None = None) -> None:
+        self.config = config or SFTLoss.Config()
+
+    @property
+    def requires_entropy(self) -> bool:
+        """True when the policy should pass the entropy tensor (``log_entropy``)."""
+        return self.config.log_entropy
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
+    ) -> LossOutput:
+        """The weighted negative log-likelihood; metric ``sft_loss`` (and ``entropy``)."""
+        _check_logprobs(logprobs, batch, "SFTLoss")
+        on_T = batch.loss_mask > 0
+        w_T = batch.loss_weights.to(logprobs.dtype) * on_T
+        loss = -(_masked(logprobs, on_T) * w_T).sum()
+        metrics = {"sft_loss": float(loss.detach())}
+        if entropy is not None:
+            metrics["entropy"] = _wsum(_masked(entropy.to(logprobs.dtype), on_T), w_T)
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+def distillation_advantages(
+    advantages_T: torch.Tensor,
+    old_logprobs_T: torch.Tensor,
+    teacher_logprobs_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    coef: float = 1.0,
+) -> torch.Tensor:
+    """On-policy distillation shaping: ``A_t - coef (old_t - teacher_t)`` on masked tokens, 0
+    elsewhere (detached). ``old_t - teacher_t`` is the sampled reverse KL to the teacher."""
+    rkl_T = (old_logprobs_T - teacher_logprobs_T).detach()
+    return _masked(advantages_T - coef * rkl_T, loss_mask_T > 0).detach()
+
+
+class DistillationLoss:
+    """On-policy distillation: reverse KL to a teacher (``TrainBatch.ref_logprobs``) folded into
+    the advantages, then a :class:`PolicyLoss`.
+
+    With zero task advantages this is pure distillation; with task advantages it adds the
+    teacher's signal on top (slime's OPD). Metric ``opd_reverse_kl``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`DistillationLoss`."""
+
+        coef: float = 1.0
+        """Weight ``lambda`` of the reverse-KL term in the advantage."""
+        policy: PolicyLoss.Config = field(default_factory=PolicyLoss.Config)
+        """The policy loss run on the shaped advantages; its ``kl_coef`` must be 0 (the
+        ``ref_logprobs`` slot holds the teacher)."""
+
+        def __post_init__(self) -> None:
+            if self.policy.kl_coef != 0:
+                raise ConfigError(
+                    "DistillationLoss.Config.policy.kl_coef: must be 0, because "
+                    "TrainBatch.ref_logprobs holds the teacher's log-probs; set kl_coef = 0."
+                )
+
+    def __init__(self, config: DistillationLoss.Config | None = None) -> None:
+        self.config = config or DistillationLoss.Config()
+        self._policy_loss = PolicyLoss(self.config.policy)
+
+    @property
+    def requires_entropy(self) -> bool:
+        """True when the inner policy loss needs entropy."""
+        return self._policy_loss.requires_entropy
+
+    @property
+    def requires_ref_logprobs(self) -> bool:
+        """Always True: ``TrainBatch.ref_logprobs`` carries the teacher's log-probs."""
+        return True
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
+    ) -> LossOutput:
+        """Shape the advantages with the teacher's log-probs and run the policy loss."""
+        _check_logprobs(logprobs, batch, "DistillationLoss")
+        if batch.ref_logprobs is None:
+            raise ConfigError(
+                "DistillationLoss needs the teacher's log-probs in TrainBatch.ref_logprobs; "
+                "configure a teacher (reference) model."
+            )
+        dtype = logprobs.dtype
+        old_T = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(dtype)
+        teacher_T = batch.ref_logprobs.to(dtype)
+        m_T = (batch.loss_mask > 0).to(dtype)
+        shaped_T = distillation_advantages(
+            batch.advantages.to(dtype), old_T, teacher_T, m_T, coef=self.config.coef
+        )
+        inner = dataclasses.replace(batch, advantages=shaped_T, ref_logprobs=None)
+        out = self._policy_loss(logprobs, inner, entropy)
+        out.metrics["opd_reverse_kl"] = _wsum(
+            _masked(old_T - teacher_T, m_T > 0), batch.loss_weights.to(dtype) * m_T
+        )
+        return out
+
+
+def value_loss(
+    values_T: torch.Tensor,
+    old_values_T: torch.Tensor,
+    returns_T: torch.Tensor,
+    weights_T: torch.Tensor,
+    clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped critic loss and the weighted fraction of tokens where the clipped term won.
+
+    ``0.5 * sum_t max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2) w_t``; with
+    ``clip=None`` only ``(V - R)^2`` (clipfrac 0). Returns ``(loss, clipfrac)``, both scalars;
+    ``clipfrac`` is detached.
+    """
+    if clip is not None and clip <= 0:
+        raise ConfigError(f"value_loss clip: must be > 0 or None, got {clip}.")
+    unclipped_T = (values_T - returns_T) ** 2
+    if clip is None:
+        return 0.5 * (unclipped_T * weights_T).sum(), torch.zeros(
+            (), dtype=values_T.dtype, device=values_T.device
+        )
+    v_clip_T = old_values_T + (values_T - old_values_T).clamp(-clip, clip)
+    clipped_T = (v_clip_T - returns_T) ** 2
+    loss = 0.5 * (torch.maximum(unclipped_T, clipped_T) * weights_T).sum()
+    clipfrac = ((clipped_T > unclipped_T).to(values_T.dtype) * weights_T).sum().detach()
+    return loss, clipfrac
+
+
+LOSSES: dict[str, type] = {
+    "policy": PolicyLoss,
+    "sft": SFTLoss,
+    "distill": DistillationLoss,
+}
+"""Registry name -> loss class (each has a nested ``Config``)."""
