@@ -1,0 +1,343 @@
+"""Weight-sync benchmark: delta size and codec speed, disk latency, broadcast vs raw broadcast.
+
+A synthetic Llama-shaped model (~134M parameters: 268 MB in bf16, 536 MB in fp32) is updated by
+real Adam steps (random gradients, lr 1e-6 and 1e-5, two warm-up steps then the measured step)
+and by a random perturbation. For each served dtype and update it measures:
+
+- bytes per version: full checkpoint vs XOR and overwrite deltas (zstd level 1);
+  ``delta_ratio`` = delta bytes / full checkpoint bytes;
+- encode and apply throughput in GB/s of model bytes with 1 and 2 threads;
+- end-to-end publish-to-loaded latency of DiskDeltaTransport and DiskFullTransport;
+- BroadcastTransport (bucketed, handshake) against a raw ``ProcessGroupGloo.broadcast`` of the
+  same bytes between two processes on 127.0.0.1; ``broadcast_ratio`` = bucketed / raw throughput.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/weightsync.py [--small]``. Writes
+``benchmarks/results/weightsync.json``. Not a test; takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from rl_core.types import WeightUpdate
+from rl_weightsync.checksum import tensor_bytes
+from rl_weightsync.disk_delta import DiskDeltaTransport, decode_delta, encode_delta
+from rl_weightsync.disk_full import DiskFullTransport
+
+RESULTS = Path(__file__).with_name("results") / "weightsync.json"
+
+
+def model_shapes(
+    hidden: int, layers: int, ffn: int, vocab: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face Llama names and shapes."""
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (hidden, hidden)),
+            (p + "self_attn.v_proj.weight", (hidden, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (ffn, hidden)),
+            (p + "mlp.up_proj.weight", (ffn, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, ffn)),
+        ]
+    return [*out, ("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def init_model(shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = {}
+    for name, shape in shapes:
+        if len(shape) == 1:
+            w[name] = torch.ones(shape) + 0.02 * torch.randn(shape, generator=g)
+        else:
+            w[name] = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
+    return w
+
+
+def adam_versions(master: dict[str, torch.Tensor], lr: float) -> tuple[dict, dict]:
+    """(weights before, weights after) the third Adam step with random gradients."""
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in master.items()}
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    before = None
+    for step in range(3):
+        if step == 2:
+            before = {k: p.detach().clone() for k, p in params.items()}
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        opt.step()
+    assert before is not None
+    return before, {k: p.detach().clone() for k, p in params.items()}
+
+
+def perturb(master: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(2)
+    return master, {
+        k: v + 1e-3 * torch.randn(v.shape, generator=g) * v.abs() for k, v in master.items()
+    }
+
+
+def _pool_map(fn, items, threads):
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(fn, items))
+
+
+def codec_case(old: dict, new: dict, dtype: torch.dtype) -> dict:
+    old_b = {k: tensor_bytes(v.to(dtype)) for k, v in old.items()}
+    new_b = {k: tensor_bytes(v.to(dtype)) for k, v in new.items()}
+    isz = torch.empty((), dtype=dtype).element_size()
+    full = sum(b.size for b in new_b.values())
+    names = list(new_b)
+    row: dict = {"full_bytes": full}
+    for enc in ("xor", "overwrite"):
+        for threads in (1, 2):
+            t0 = time.perf_counter()
+            blobs = _pool_map(
+                lambda n, enc=enc: encode_delta(old_b[n], new_b[n], itemsize=isz, encoding=enc),
+                names,
+                threads,
+            )
+            dt = time.perf_counter() - t0
+            row[f"{enc}_encode_gbps_{threads}t"] = full / dt / 1e9
+        nbytes = sum(len(b) for b in blobs if b is not None)
+        row[f"{enc}_bytes"] = nbytes
+        row[f"{enc}_delta_ratio"] = nbytes / full
+        pairs = [(n, b) for n, b in zip(names, blobs) if b is not None]
+        for threads in (1, 2):
+            t0 = time.perf_counter()
+            outs = _pool_map(
+                lambda nb, enc=enc: decode_delta(old_b[nb[0]], nb[1], itemsize=isz, encoding=enc),
+                pairs,
+                threads,
+            )
+            dt = time.perf_counter() - t0
+            row[f"{enc}_apply_gbps_{threads}t"] = full / dt / 1e9
+        assert all(o.tobytes() == new_b[n].tobytes() for (n, _), o in zip(pairs[:3], outs[:3]))
+    row["delta_ratio"] = row["xor_delta_ratio"]
+    return row
+
+
+def disk_latency(old: dict, new: dict, serve: str, root: Path) -> dict:
+    """Publish-to-loaded seconds for disk_delta (delta step) and disk_full."""
+
+    class Target:
+        def __init__(self) -> None:
+            self.v = 0
+
+        @property
+        def weight_version(self) -> int:
+            return self.v
+
+        def load_weights(self, named, *, version):
+            for _ in named:
+                pass
+            self.v = version
+
+    out = {}
+    cfg = {"directory": root / "delta", "serve_dtype": serve, "num_threads": 2}
+    snd = DiskDeltaTransport(DiskDeltaTransport.Config(**cfg))
+    rcv = DiskDeltaTransport(DiskDeltaTransport.Config(**cfg, local_dir=root / "local"))
+    tgt = Target()
+    rcv.apply(snd.publish(1, old.items()), tgt)
+    t0 = time.perf_counter()
+    u = snd.publish(2, new.items())
+    t1 = time.perf_counter()
+    rcv.apply(u, tgt)
+    t2 = time.perf_counter()
+    out.update(delta_publish_s=t1 - t0, delta_apply_s=t2 - t1, delta_e2e_s=t2 - t0)
+    full = DiskFullTransport(DiskFullTransport.Config(directory=root / "full", serve_dtype=serve))
+    t0 = time.perf_counter()
+    u = full.publish(2, new.items())
+    t1 = time.perf_counter()
+    full.apply(u, Target())
+    t2 = time.perf_counter()
+    out.update(full_publish_s=t1 - t0, full_apply_s=t2 - t1, full_e2e_s=t2 - t0)
+    return out
+
+
+# -- broadcast: two processes ---------------------------------------------------------------------
+
+
+def _bcast_peer(rank: int, port: int, nbytes: int, bucket: int, reps: int) -> None:
+    import torch.distributed as dist
+
+    from rl_weightsync.broadcast import BroadcastTransport
+
+    torch.set_num_threads(1)
+    t = BroadcastTransport(
+        BroadcastTransport.Config(
+            rank=rank, world_size=2, port=port, bucket_bytes=bucket, timeout_s=120
+        )
+    )
+    n_el = nbytes // 2
+    rows = 1024
+    w = {f"w{i}": torch.randn(rows, n_el // rows // 16).to(torch.bfloat16) for i in range(16)}
+    total = sum(x.numel() * 2 for x in w.values())
+    if rank == 0:
+        t._connect_store()
+    t.connect()
+    pg, store = t._pg, t._store
+    flat = torch.empty(total, dtype=torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    raw, ours = [], []
+    for _ in range(reps + 1):  # first is warm-up (page faults in fresh buffers)
+        pg.broadcast([torch.zeros(1)], opts).wait()
+        t0 = time.perf_counter()
+        pg.broadcast([flat], opts).wait()
+        raw.append(time.perf_counter() - t0)
+    for v in range(1, reps + 2):
+        if rank == 0:
+            t.publish(v, w.items())
+            store.wait([f"done/{v}"])
+        else:
+            store.wait([f"header/{v}"])
+            t0 = time.perf_counter()
+            list(
+                t.receive(
+                    WeightUpdate(version=v, base_version=None, transport="broadcast"),
+                    current_version=v - 1,
+                )
+            )
+            ours.append(time.perf_counter() - t0)
+            store.set(f"done/{v}", "1")
+    if rank == 1:
+        print(
+            json.dumps({"bytes": total, "raw_s": min(raw[1:]), "bucketed_s": min(ours[1:])}),
+            flush=True,
+        )
+    t.close()
+
+
+def broadcast_case(nbytes: int, bucket: int, reps: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--peer"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(r), str(port), str(nbytes), str(bucket), str(reps)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
+    out = procs[1].communicate(timeout=300)[0]
+    procs[0].wait(timeout=60)
+    res = json.loads(out.strip().splitlines()[-1])
+    res["raw_gbps"] = res["bytes"] / res["raw_s"] / 1e9
+    res["bucketed_gbps"] = res["bytes"] / res["bucketed_s"] / 1e9
+    res["broadcast_ratio"] = res["bucketed_gbps"] / res["raw_gbps"]
+    res["bucket_bytes"] = bucket
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="a ~20M-parameter model (quick check)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    dims = (256, 4, 704, 8000) if args.small else (768, 12, 2048, 32000)
+    shapes = model_shapes(*dims)
+    master = init_model(shapes)
+    n_params = sum(v.numel() for v in master.values())
+    print(
+        f"model: {n_params / 1e6:.0f}M params, {n_params * 2 / 1e6:.0f} MB bf16, {n_params * 4 / 1e6:.0f} MB fp32"
+    )
+    updates = {
+        "adam_lr1e-6": lambda: adam_versions(master, 1e-6),
+        "adam_lr1e-5": lambda: adam_versions(master, 1e-5),
+        "perturb_1e-3": lambda: perturb(master),
+    }
+    cases = []
+    for uname, make in updates.items():
+        old, new = make()
+        for dtype in (torch.bfloat16, torch.float32):
+            row = {
+                "update": uname,
+                "dtype": str(dtype).removeprefix("torch."),
+                **codec_case(old, new, dtype),
+            }
+            cases.append(row)
+            print(
+                f"  {uname:13s} {row['dtype']:8s} xor {row['xor_delta_ratio']:.4f} ow {row['overwrite_delta_ratio']:.4f}",
+                flush=True,
+            )
+        if uname == "adam_lr1e-5":
+            with tempfile.TemporaryDirectory() as d:
+                latency = {
+                    "update": uname,
+                    "serve_dtype": "bfloat16",
+                    **disk_latency(old, new, "bfloat16", Path(d)),
+                }
+        del old, new
+    bnbytes = (32 << 20) if args.small else (256 << 20)
+    bcast = broadcast_case(bnbytes, bucket=64 << 20, reps=3)
+
+    hdr = f"{'update':13s} {'dtype':8s} {'full MB':>8s} {'xor %':>7s} {'ovw %':>7s} {'xor enc 1t/2t GB/s':>19s} {'xor apply 1t/2t':>16s} {'ovw enc/apply 1t':>17s}"
+    print("\n" + hdr + "\n" + "-" * len(hdr))
+    for r in cases:
+        print(
+            f"{r['update']:13s} {r['dtype']:8s} {r['full_bytes'] / 1e6:8.0f} {100 * r['xor_delta_ratio']:6.2f}% {100 * r['overwrite_delta_ratio']:6.2f}% "
+            f"{r['xor_encode_gbps_1t']:9.2f}/{r['xor_encode_gbps_2t']:<9.2f} {r['xor_apply_gbps_1t']:7.2f}/{r['xor_apply_gbps_2t']:<8.2f} "
+            f"{r['overwrite_encode_gbps_1t']:8.2f}/{r['overwrite_apply_gbps_1t']:<8.2f}"
+        )
+    print(
+        f"\ndisk latency (bf16, adam lr 1e-5): delta publish {latency['delta_publish_s']:.2f}s + apply {latency['delta_apply_s']:.2f}s "
+        f"= {latency['delta_e2e_s']:.2f}s; full publish {latency['full_publish_s']:.2f}s + load {latency['full_apply_s']:.2f}s = {latency['full_e2e_s']:.2f}s"
+    )
+    print(
+        f"broadcast {bcast['bytes'] / 1e6:.0f} MB: raw gloo {bcast['raw_gbps']:.2f} GB/s, bucketed transport {bcast['bucketed_gbps']:.2f} GB/s, "
+        f"broadcast_ratio {bcast['broadcast_ratio']:.2f}"
+    )
+    result = {
+        "benchmark": "weightsync",
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            # Other work on the machine depresses every throughput: read them with this.
+            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        },
+        "model": {
+            "params": n_params,
+            "hidden": dims[0],
+            "layers": dims[1],
+            "ffn": dims[2],
+            "vocab": dims[3],
+        },
+        "codec_cases": cases,
+        "disk_latency": latency,
+        "broadcast": bcast,
+        "broadcast_ratio": bcast["broadcast_ratio"],
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--peer":
+        _bcast_peer(*(int(x) for x in sys.argv[2:7]))
+    else:
+        main()

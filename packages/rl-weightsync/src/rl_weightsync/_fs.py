@@ -1,0 +1,174 @@
+"""Atomic file-system helpers shared by the disk transports (private)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rl_core.errors import WeightSyncError
+from rl_weightsync.bucketing import iter_buckets, tensor_nbytes
+from rl_weightsync.checksum import tensor_checksum
+from rl_weightsync.manifest import Manifest, TensorEntry, dtype_name
+
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+INDEX = "model.safetensors.index.json"
+_VERSION_RE = re.compile(r"^weight_v(\d{6,})$")
+
+
+def version_dirname(version: int) -> str:
+    """``weight_v000042``."""
+    return f"weight_v{version:06d}"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_synced(path: Path, data: bytes) -> None:
+    """Write and fsync."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary sibling, fsync, rename over ``path``, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    write_bytes_synced(tmp, text.encode())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def complete_versions(directory: Path) -> list[int]:
+    """Versions under ``directory`` whose completion marker exists, ascending."""
+    if not directory.is_dir():
+        return []
+    out = []
+    for child in directory.iterdir():
+        m = _VERSION_RE.match(child.name)
+        if m and (child / COMPLETE).is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def all_versions(directory: Path) -> list[int]:
+    """Versions under ``directory`` with or without marker, ascending."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group(1)) for c in directory.iterdir() if (m := _VERSION_RE.match(c.name)))
+
+
+def new_temp_dir(directory: Path, version: int) -> Path:
+    """A fresh hidden temporary directory inside ``directory`` (same file system as the target)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, rename it to ``final``, then write the completion marker last."""
+    fsync_path(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    write_bytes_synced(final / COMPLETE, b"")
+    fsync_path(final)
+
+
+def remove_version_dir(path: Path) -> None:
+    """Remove the marker first (readers stop trusting it), then the directory."""
+    with contextlib.suppress(OSError):
+        (path / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete versions; remove older ones and stale temp dirs."""
+    done = complete_versions(directory)
+    for v in done[:-keep] if keep > 0 else done:
+        remove_version_dir(directory / version_dirname(v))
+
+
+def write_safetensors_checkpoint(
+    out_dir: Path,
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    *,
+    max_shard_bytes: int,
+    checksum: str,
+    version: int,
+) -> list[TensorEntry]:
+    """Write ``model.safetensors`` or shards + index into ``out_dir`` (fsynced); return entries."""
+    shards = list(iter_buckets(named_tensors, max_shard_bytes)) or [[]]
+    n = len(shards)
+    entries: list[TensorEntry] = []
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {name: t.contiguous() for name, t in shard}
+        save_file(
+            tensors, str(out_dir / fname), metadata={"format": "pt", "weight_version": str(version)}
+        )
+        fsync_path(out_dir / fname)
+        for name, t in shard:
+            weight_map[name] = fname
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    dtype=dtype_name(t.dtype),
+                    shape=tuple(t.shape),
+                    checksum=tensor_checksum(t, checksum),
+                    file=fname,
+                )
+            )
+    if n > 1:
+        total = sum(tensor_nbytes(t) for _, t in named_tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_bytes_synced(out_dir / INDEX, json.dumps(index, indent=2).encode())
+    return entries
+
+
+def copy_assets(source: Path | None, out_dir: Path, patterns: Iterable[str]) -> None:
+    """Copy config/tokenizer files matching ``patterns`` from ``source`` (weights excluded)."""
+    if source is None:
+        return
+    if not source.is_dir():
+        raise WeightSyncError(
+            f"assets_dir {str(source)!r} is not a directory; point it at the Hugging Face "
+            "checkpoint the engines started from (config.json, tokenizer files)"
+        )
+    for pattern in patterns:
+        for f in sorted(source.glob(pattern)):
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX:
+                shutil.copyfile(f, out_dir / f.name)
+                fsync_path(out_dir / f.name)
+
+
+def read_manifest(version_dir: Path, version: int) -> Manifest:
+    """Read and validate ``manifest.json`` of a version directory."""
+    path = version_dir / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise WeightSyncError(
+            f"weight version {version}: {str(path)!r} is missing; the version is incomplete or was "
+            "pruned. Apply a newer version or republish"
+        ) from None
+    return Manifest.from_json(text, source=str(path), expect_version=version)

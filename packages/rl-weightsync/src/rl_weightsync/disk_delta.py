@@ -1,0 +1,733 @@
+"""Lossless weight deltas on disk, applied in place into a host-local checkpoint.
+
+The sender keeps a CPU snapshot of the last published version (seeded from the checkpoint the
+engines started from, or from the first publish, which is written in full). Each later version is
+a directory ``weight_v000008/`` with ``delta.bin`` (one zstd frame per changed tensor) and a
+``manifest.json`` naming its base version and the checksum of every changed tensor's new bytes::
+
+    sender = DiskDeltaTransport(DiskDeltaTransport.Config(
+        directory="/shared/sync", base_checkpoint="ckpt/", serve_dtype="bfloat16"))
+    update = sender.publish(8, policy.named_weights())          # delta on version 7
+
+    # every rollout host:
+    receiver = DiskDeltaTransport(DiskDeltaTransport.Config(
+        directory="/shared/sync", local_dir="/local/ckpt", base_checkpoint="ckpt/"))
+    receiver.apply(update, generator)    # patch /local/ckpt in place, verify, then load
+
+Encodings: ``xor`` (default; the XOR of old and new bytes, mostly zero bits after a small
+optimizer step; must be applied exactly once on the right base) or ``overwrite`` (positions and
+new values of the changed elements; idempotent). A full version (the first publish, every
+``full_every`` versions, or after a sender restart) resets the chain: receivers on any older
+version can take it and later deltas build on it.
+
+A receiver refuses a delta whose base is not its current version, verifies every tensor before
+writing anything into its local checkpoint, and only then loads. A target with
+``load_weights_from_disk`` (:class:`~rl_weightsync.disk_full.DiskWeightTarget`) is pointed at the
+local checkpoint; any other target gets the changed tensors through ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+import zstandard
+from safetensors.torch import load_file, save_file
+
+from rl_core.errors import WeightSyncError
+from rl_core.interfaces import WeightTarget, WeightTransport
+from rl_core.types import WeightUpdate
+from rl_weightsync import _fs
+from rl_weightsync.checksum import (
+    CHECKSUM_ALGORITHMS,
+    bytes_checksum,
+    tensor_bytes,
+    verify_checksum,
+)
+from rl_weightsync.disk_full import (
+    DEFAULT_ASSET_PATTERNS,
+    DiskWeightTarget,
+    cast_for_serving,
+    load_checkpoint_tensors,
+)
+from rl_weightsync.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name, safe_join
+
+__all__ = ["DiskDeltaTransport", "decode_delta", "encode_delta"]
+
+DELTA_FILE = "delta.bin"
+LOCAL_STATE = "rl_weightsync_state.json"
+_ENCODINGS = ("xor", "overwrite")
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_local = threading.local()
+_ALL = 2**64 - 1
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    key = f"c{level}"
+    c = getattr(_local, key, None)
+    if c is None:
+        c = zstandard.ZstdCompressor(level=level)
+        setattr(_local, key, c)
+    return c
+
+
+def _wide(buf: np.ndarray) -> np.ndarray:
+    """View a uint8 buffer with the widest unsigned type its length allows (faster XOR)."""
+    for size in (8, 4, 2):
+        if buf.size % size == 0:
+            return buf.view(_UINT[size])
+    return buf
+
+
+def encode_delta(
+    old: np.ndarray, new: np.ndarray, *, itemsize: int, encoding: str, level: int = 1
+) -> bytes | None:
+    """zstd-compressed delta from ``old`` to ``new`` raw bytes, or ``None`` if they are equal.
+
+    ``xor``: ``old ^ new``. ``overwrite``: ``[count u64][positions u32|u64 ...][new elements]``
+    over elements of ``itemsize`` bytes, or ``[2**64-1][all new bytes]`` when that is smaller
+    (a dense change); both forms are idempotent.
+    """
+    if encoding == "xor":
+        x = np.bitwise_xor(_wide(old), _wide(new))
+        if not x.any():
+            return None
+        return _compressor(level).compress(x)
+    oe, ne = old.view(_UINT[itemsize]), new.view(_UINT[itemsize])
+    pos = np.flatnonzero(oe != ne)
+    if pos.size == 0:
+        return None
+    ptype = np.uint32 if ne.size < 2**32 else np.uint64
+    if pos.size * (np.dtype(ptype).itemsize + itemsize) >= new.size:  # dense change: all values
+        return _compressor(level).compress(struct.pack("<Q", _ALL) + new.tobytes())
+    payload = b"".join(
+        (struct.pack("<Q", pos.size), pos.astype(ptype).tobytes(), ne[pos].tobytes())
+    )
+    return _compressor(level).compress(payload)
+
+
+def decode_delta(old: np.ndarray, blob: bytes, *, itemsize: int, encoding: str) -> np.ndarray:
+    """New raw bytes from ``old`` and a blob of :func:`encode_delta` (``old`` is not modified).
+
+    Raises ``ValueError`` on a malformed blob (the caller names tensor and version).
+    """
+    n = old.size
+    ptype_size = 4 if n // max(itemsize, 1) < 2**32 else 8
+    bound = n if encoding == "xor" else 8 + max(n, (n // itemsize) * (ptype_size + itemsize))
+    size = zstandard.frame_content_size(blob)
+    if size < 0 or size > bound:
+        raise ValueError(f"frame content size {size} outside [0, {bound}]")
+    if encoding == "xor":
+        if size != n:
+            raise ValueError(f"frame holds {size} bytes, expected {n}")
+        out = np.empty_like(old)  # decompress straight into the output, then XOR in place
+        view, filled = memoryview(out), 0
+        with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
+            while filled < n:
+                got = reader.readinto(view[filled:])
+                if not got:
+                    raise ValueError(f"decoded {filled} bytes, expected {n}")
+                filled += got
+        np.bitwise_xor(_wide(out), _wide(old), out=_wide(out))
+        return out
+    raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=bound)
+    (count,) = struct.unpack_from("<Q", raw)
+    if count == _ALL:
+        if len(raw) != 8 + n:
+            raise ValueError(f"dense overwrite payload of {len(raw)} bytes, expected {8 + n}")
+        return np.frombuffer(raw, dtype=np.uint8, offset=8).copy()
+    if len(raw) != 8 + count * (ptype_size + itemsize):
+        raise ValueError(f"overwrite payload of {len(raw)} bytes does not hold {count} elements")
+    ptype = np.uint32 if ptype_size == 4 else np.uint64
+    pos = np.frombuffer(raw, dtype=ptype, count=count, offset=8)
+    vals = np.frombuffer(raw, dtype=_UINT[itemsize], count=count, offset=8 + count * ptype_size)
+    out = old.copy()
+    elems = out.view(_UINT[itemsize])
+    if count and int(pos.max()) >= elems.size:
+        raise ValueError("overwrite position out of range")
+    elems[pos] = vals
+    return out
+
+
+def _read_st_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def _local_layout(local_dir: Path) -> dict[str, tuple[Path, int, str, tuple[int, ...]]]:
+    """name -> (file, absolute data offset, dtype name, shape) for a local safetensors checkpoint."""
+    out = {}
+    for f in sorted(local_dir.glob("*.safetensors")):
+        start, header = _read_st_header(f)
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(meta["dtype"], meta["dtype"])
+            out[name] = (f, start + meta["data_offsets"][0], dtype, tuple(meta["shape"]))
+    return out
+
+
+def _read_local_tensors(local_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(local_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+class DiskDeltaTransport(WeightTransport):
+    """XOR or overwrite deltas, zstd-compressed and checksummed, applied in place on receivers."""
+
+    name: ClassVar[str] = "disk_delta"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`DiskDeltaTransport` (sender and receivers share most of them)."""
+
+        directory: str | Path
+        """Shared sync directory: the sender writes versions, receivers read them."""
+        local_dir: str | Path | None = None
+        """Receiver only: host-local checkpoint directory patched in place (engines load it)."""
+        base_checkpoint: str | Path | None = None
+        """Hugging Face checkpoint the engines started from: seeds the sender's snapshot and the
+        receivers' local checkpoint as version ``base_version``. ``None``: the first publish is
+        written in full."""
+        base_version: int = 0
+        """Version of ``base_checkpoint``."""
+        encoding: str = "xor"
+        """``xor`` (apply exactly once) or ``overwrite`` (positions + values; idempotent)."""
+        zstd_level: int = 1
+        """zstd compression level of the delta payloads."""
+        checksum: str = "xxh3_128"
+        """Checksum of each changed tensor's new bytes."""
+        serve_dtype: str | None = None
+        """Dtype the engine serves (e.g. ``"bfloat16"``): deltas are taken after casting floating
+        tensors to it, so fp32 master weights do not inflate the deltas."""
+        full_every: int = 0
+        """Write a full checkpoint every this many versions (0: only when there is no base)."""
+        keep_versions: int = 4
+        """Versions kept in ``directory``; the newest full checkpoint is always kept."""
+        num_threads: int = 2
+        """Threads encoding / decoding tensors in parallel."""
+        max_shard_bytes: int = 5 << 30
+        """Largest safetensors shard of a full version."""
+        assets_dir: str | Path | None = None
+        """Config/tokenizer files copied into full versions (default: ``base_checkpoint``)."""
+        asset_patterns: tuple[str, ...] = field(default_factory=lambda: DEFAULT_ASSET_PATTERNS)
+        """Glob patterns of the asset files."""
+
+    def __init__(self, config: Config) -> None:
+        """Build from ``config``; raises WeightSyncError naming a bad field."""
+        self.config = config
+        c = config
+        if c.encoding not in _ENCODINGS:
+            raise WeightSyncError(
+                f"DiskDeltaTransport.Config.encoding: {c.encoding!r} is not one of {_ENCODINGS}"
+            )
+        if c.checksum not in CHECKSUM_ALGORITHMS:
+            raise WeightSyncError(
+                f"DiskDeltaTransport.Config.checksum: unknown algorithm {c.checksum!r}; use one of "
+                f"{sorted(CHECKSUM_ALGORITHMS)}"
+            )
+        if c.keep_versions < 1 or c.num_threads < 1 or c.full_every < 0:
+            raise WeightSyncError(
+                "DiskDeltaTransport.Config: keep_versions and num_threads must be >= 1 and "
+                f"full_every >= 0 (got {c.keep_versions}, {c.num_threads}, {c.full_every})"
+            )
+        if c.serve_dtype is not None:
+            dtype_from_name(c.serve_dtype)
+        self.directory = Path(c.directory)
+        self.local_dir = Path(c.local_dir) if c.local_dir is not None else None
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._snapshot_version: int | None = None
+        self._seeded = False
+        self._lock = threading.Lock()
+
+    # -- sender ---------------------------------------------------------------------------------
+
+    def _seed_snapshot(self) -> None:
+        if self._seeded:
+            return
+        self._seeded = True
+        base = self.config.base_checkpoint
+        if base is not None:
+            tensors = _read_local_tensors(Path(base))
+            if not tensors:
+                raise WeightSyncError(
+                    f"DiskDeltaTransport.Config.base_checkpoint: no *.safetensors in {str(base)!r}; "
+                    "point it at the Hugging Face checkpoint the engines started from"
+                )
+            self._snapshot = dict(
+                cast_for_serving(
+                    tensors.items(), self.config.serve_dtype, version=self.config.base_version
+                )
+            )
+            self._snapshot_version = self.config.base_version
+
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> WeightUpdate:
+        """Write ``version`` as a delta on the last published version (or in full, see class doc)."""
+        with self._lock:
+            self._seed_snapshot()
+            existing = _fs.all_versions(self.directory)
+            last = max(
+                [*existing, self._snapshot_version if self._snapshot_version is not None else -1]
+            )
+            if (existing or self._snapshot_version is not None) and version <= last:
+                raise WeightSyncError(
+                    f"publish of weight version {version} refused: version {last} already exists "
+                    f"(in {str(self.directory)!r} or as the base checkpoint) and versions must "
+                    f"increase. Publish a version above {last}"
+                )
+            tensors = cast_for_serving(named_tensors, self.config.serve_dtype, version=version)
+            snap = self._snapshot
+            full = (
+                snap is None
+                or (bool(existing) and existing[-1] > (self._snapshot_version or 0))
+                or (self.config.full_every > 0 and version % self.config.full_every == 0)
+                or not set(snap) <= {n for n, _ in tensors}
+            )
+            if full:
+                update = self._publish_full(version, tensors)
+            else:
+                update = self._publish_delta(version, tensors, snap)
+            self._snapshot = dict(tensors)
+            self._snapshot_version = version
+            self._prune()
+        return update
+
+    def _publish_full(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> WeightUpdate:
+        tmp = _fs.new_temp_dir(self.directory, version)
+        try:
+            entries = _fs.write_safetensors_checkpoint(
+                tmp,
+                tensors,
+                max_shard_bytes=self.config.max_shard_bytes,
+                checksum=self.config.checksum,
+                version=version,
+            )
+            assets = self.config.assets_dir or self.config.base_checkpoint
+            _fs.copy_assets(Path(assets) if assets else None, tmp, self.config.asset_patterns)
+            nbytes = sum(e.nbytes for e in entries)
+            manifest = Manifest(
+                version=version,
+                base_version=None,
+                kind="full",
+                tensors=tuple(entries),
+                checksum=self.config.checksum,
+                num_tensors=len(entries),
+                extra={"bytes": nbytes, "full_bytes": nbytes},
+            )
+            _fs.write_bytes_synced(tmp / _fs.MANIFEST, manifest.to_json().encode())
+            final = self.directory / _fs.version_dirname(version)
+            _fs.commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return WeightUpdate(
+            version=version,
+            base_version=None,
+            transport=self.name,
+            location=str(final),
+            metadata={
+                "kind": "full",
+                "num_tensors": len(entries),
+                "bytes": nbytes,
+                "full_bytes": nbytes,
+            },
+        )
+
+    def _encode_one(
+        self, item: tuple[str, torch.Tensor], snap: dict[str, torch.Tensor]
+    ) -> tuple[str, str, bytes] | None:
+        name, new = item
+        new_b = tensor_bytes(new)
+        old = snap.get(name)
+        level = self.config.zstd_level
+        if old is None or old.dtype != new.dtype or old.shape != new.shape:
+            blob = _compressor(level).compress(new_b)
+            return name, "full", blob
+        blob = encode_delta(
+            tensor_bytes(old),
+            new_b,
+            itemsize=new.element_size(),
+            encoding=self.config.encoding,
+            level=level,
+        )
+        if blob is None:
+            return None
+        return name, self.config.encoding, blob
+
+    def _publish_delta(
+        self, version: int, tensors: list[tuple[str, torch.Tensor]], snap: dict[str, torch.Tensor]
+    ) -> WeightUpdate:
+        base = self._snapshot_version
+        assert base is not None
+        by_name = dict(tensors)
+        with ThreadPoolExecutor(self.config.num_threads) as pool:
+            encoded = list(pool.map(lambda it: self._encode_one(it, snap), tensors))
+            changed = [e for e in encoded if e is not None]
+            sums = list(
+                pool.map(
+                    lambda e: bytes_checksum(tensor_bytes(by_name[e[0]]), self.config.checksum),
+                    changed,
+                )
+            )
+        entries, offset = [], 0
+        for (name, enc, blob), digest in zip(changed, sums):
+            t = by_name[name]
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    dtype=dtype_name(t.dtype),
+                    shape=tuple(t.shape),
+                    checksum=digest,
+                    file=DELTA_FILE,
+                    encoding=enc,
+                    offset=offset,
+                    length=len(blob),
+                )
+            )
+            offset += len(blob)
+        full_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        manifest = Manifest(
+            version=version,
+            base_version=base,
+            kind="delta",
+            tensors=tuple(entries),
+            checksum=self.config.checksum,
+            num_tensors=len(tensors),
+            extra={
+                "bytes": offset,
+                "full_bytes": full_bytes,
+                "compression": "zstd",
+                "encoding": self.config.encoding,
+            },
+        )
+        tmp = _fs.new_temp_dir(self.directory, version)
+        try:
+            with open(tmp / DELTA_FILE, "wb") as f:
+                for _, _, blob in changed:
+                    f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            _fs.write_bytes_synced(tmp / _fs.MANIFEST, manifest.to_json().encode())
+            final = self.directory / _fs.version_dirname(version)
+            _fs.commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return WeightUpdate(
+            version=version,
+            base_version=base,
+            transport=self.name,
+            location=str(final),
+            metadata={
+                "kind": "delta",
+                "num_tensors": len(tensors),
+                "changed_tensors": len(entries),
+                "bytes": offset,
+                "full_bytes": full_bytes,
+            },
+        )
+
+    def _prune(self) -> None:
+        done = _fs.complete_versions(self.directory)
+        keep = set(done[-self.config.keep_versions :])
+        fulls = [v for v in done if self._is_full(v)]
+        if fulls:
+            keep.add(fulls[-1])
+        for v in done:
+            if v not in keep:
+                _fs.remove_version_dir(self.directory / _fs.version_dirname(v))
+
+    def _is_full(self, version: int) -> bool:
+        vdir = self.directory / _fs.version_dirname(version)
+        return not (vdir / DELTA_FILE).exists()
+
+    # -- receiver -------------------------------------------------------------------------------
+
+    def _require_local(self) -> Path:
+        if self.local_dir is None:
+            raise WeightSyncError(
+                "DiskDeltaTransport.Config.local_dir is not set; receivers need a host-local "
+                "checkpoint directory to apply deltas into"
+            )
+        return self.local_dir
+
+    def local_version(self) -> int | None:
+        """Version of the local checkpoint (seeding it from ``base_checkpoint`` if empty)."""
+        local = self._require_local()
+        state = local / LOCAL_STATE
+        if not state.is_file():
+            base = self.config.base_checkpoint
+            if base is None:
+                return None
+            self._replace_local(
+                _read_local_tensors(Path(base)).items(), self.config.base_version, Path(base)
+            )
+        raw = json.loads(state.read_text())
+        if raw.get("writing") is not None:
+            raise WeightSyncError(
+                f"local checkpoint {str(local)!r} was left half-written while applying weight "
+                f"version {raw['writing']} (crash?); delete it and apply a full version, or "
+                "restart from the base checkpoint"
+            )
+        return int(raw["version"])
+
+    def _write_state(self, version: int, writing: int | None = None) -> None:
+        local = self._require_local()
+        _fs.atomic_write_text(
+            local / LOCAL_STATE, json.dumps({"version": version, "writing": writing})
+        )
+
+    def _replace_local(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, assets: Path | None
+    ) -> None:
+        """Atomically swap in a local checkpoint holding ``tensors`` at ``version``."""
+        local = self._require_local()
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.tmp-{version}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(
+            {n: t.contiguous() for n, t in tensors},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        _fs.fsync_path(tmp / "model.safetensors")
+        if assets is not None:
+            _fs.copy_assets(assets, tmp, self.config.asset_patterns)
+        _fs.write_bytes_synced(
+            tmp / LOCAL_STATE, json.dumps({"version": version, "writing": None}).encode()
+        )
+        old = local.with_name(f".{local.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if local.exists():
+            os.replace(local, old)
+        os.replace(tmp, local)
+        _fs.fsync_path(local.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _check(self, update: WeightUpdate, current_version: int) -> tuple[Path, Manifest]:
+        version = update.version
+        if update.transport != self.name:
+            raise WeightSyncError(
+                f"weight version {version}: update made by transport {update.transport!r}, not "
+                f"{self.name!r}; pass it to the transport that published it"
+            )
+        if version <= current_version:
+            raise WeightSyncError(
+                f"weight version {version} refused: the receiver is already on version "
+                f"{current_version} (replayed or out-of-order update). Apply only newer updates"
+            )
+        vdir = self.directory / _fs.version_dirname(version)
+        if not (vdir / _fs.COMPLETE).is_file():
+            raise WeightSyncError(
+                f"weight version {version}: no complete version at {str(vdir)!r} (never published, "
+                "still being written, or pruned). Apply the newest full version, or raise "
+                "DiskDeltaTransport.Config.keep_versions"
+            )
+        manifest = _fs.read_manifest(vdir, version)
+        if manifest.kind == "delta" and manifest.base_version != current_version:
+            raise WeightSyncError(
+                f"weight version {version} is a delta on version {manifest.base_version}, but the "
+                f"receiver is on version {current_version} (skipped or wrong-base update). Apply "
+                f"version {current_version + 1} first, or wait for a full version"
+            )
+        return vdir, manifest
+
+    def receive(
+        self, update: WeightUpdate, *, current_version: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Apply ``update`` to the local checkpoint (verified first); yield the tensors it changed."""
+        return iter(self._receive(update, current_version))
+
+    def _receive(
+        self, update: WeightUpdate, current_version: int
+    ) -> list[tuple[str, torch.Tensor]]:
+        vdir, manifest = self._check(update, current_version)
+        version = manifest.version
+        with self._lock, self._host_lock():
+            if manifest.kind == "full":
+                if self._local_state_version() == version:  # a co-located rank already did it
+                    return self._reread_local(manifest)
+                tensors = load_checkpoint_tensors(vdir, manifest)
+                self._replace_local(tensors, version, vdir)
+                return tensors
+            local_v = self.local_version()
+            if local_v == version:  # patched earlier, the target failed to load: reread and verify
+                return self._reread_local(manifest)
+            if local_v != manifest.base_version:
+                raise WeightSyncError(
+                    f"weight version {version} is a delta on version {manifest.base_version}, but "
+                    f"the local checkpoint {str(self.local_dir)!r} is on version {local_v}; apply a "
+                    "full version to resync"
+                )
+            return self._apply_delta(vdir, manifest)
+
+    @contextlib.contextmanager
+    def _host_lock(self) -> Iterator[None]:
+        """Exclusive lock on the local checkpoint across processes of this host (co-located
+        ranks share one ``local_dir``: the first patches it, the others reread and verify)."""
+        local = self._require_local()
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(local.with_name(f".{local.name}.lock"), "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _local_state_version(self) -> int | None:
+        state = self._require_local() / LOCAL_STATE
+        if not state.is_file():
+            return None
+        raw = json.loads(state.read_text())
+        return None if raw.get("writing") is not None else int(raw["version"])
+
+    def _reread_local(self, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+        local = _read_local_tensors(self._require_local())
+        out = []
+        for e in manifest.tensors:
+            t = local.get(e.name)
+            if t is None:
+                raise WeightSyncError(
+                    f"tensor {e.name!r} of weight version {manifest.version} is missing from the "
+                    "local checkpoint; apply a full version to resync"
+                )
+            verify_checksum(t, e.checksum, name=e.name, version=manifest.version)
+            out.append((e.name, t))
+        return out
+
+    def _apply_delta(self, vdir: Path, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+        version = manifest.version
+        local = self._require_local()
+        layout = _local_layout(local)
+        payload_path = {}
+        for e in manifest.tensors:
+            payload_path[e.file] = safe_join(vdir, e.file, version=version, tensor=e.name)
+        blobs: dict[str, bytes] = {}
+        for fname, path in payload_path.items():
+            entries = [e for e in manifest.tensors if e.file == fname]
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                raise WeightSyncError(
+                    f"tensor {entries[0].name!r} of weight version {version}: payload file "
+                    f"{str(path)!r} is missing; republish the version or apply a full one"
+                ) from None
+            for e in entries:
+                if e.offset + e.length > len(data):
+                    raise WeightSyncError(
+                        f"tensor {e.name!r} of weight version {version}: payload ends at byte "
+                        f"{e.offset + e.length} but {fname} has {len(data)} bytes (truncated); "
+                        "republish the version"
+                    )
+                blobs[e.name] = data[e.offset : e.offset + e.length]
+
+        def decode(e: TensorEntry) -> tuple[TensorEntry, np.ndarray, bool]:
+            itemsize = dtype_from_name(e.dtype).itemsize
+            slot = layout.get(e.name)
+            in_place = slot is not None and slot[2] == e.dtype and slot[3] == e.shape
+            try:
+                if e.encoding == "full":
+                    raw = zstandard.ZstdDecompressor().decompress(
+                        blobs[e.name], max_output_size=e.nbytes
+                    )
+                    new = np.frombuffer(raw, dtype=np.uint8).copy()
+                    if new.size != e.nbytes:
+                        raise ValueError(f"decoded {new.size} bytes, expected {e.nbytes}")
+                elif not in_place:
+                    raise WeightSyncError(
+                        f"tensor {e.name!r} of weight version {version}: a {e.encoding} delta needs "
+                        f"the tensor as {e.dtype} {e.shape} in the local checkpoint, which has "
+                        f"{slot[2:] if slot else 'no such tensor'} (wrong base); apply a full version"
+                    )
+                else:
+                    f, off, _, _ = slot
+                    old = np.fromfile(f, dtype=np.uint8, count=e.nbytes, offset=off)
+                    if old.size != e.nbytes:
+                        raise ValueError("local checkpoint file is truncated")
+                    new = decode_delta(old, blobs[e.name], itemsize=itemsize, encoding=e.encoding)
+            except WeightSyncError:
+                raise
+            except (ValueError, zstandard.ZstdError) as exc:
+                raise WeightSyncError(
+                    f"tensor {e.name!r} of weight version {version}: cannot decode its "
+                    f"{e.encoding} payload ({exc}); the file is corrupt or truncated. Republish "
+                    "the version or apply a full one"
+                ) from None
+            verify_checksum(new, e.checksum, name=e.name, version=version)
+            return e, new, in_place
+
+        with ThreadPoolExecutor(self.config.num_threads) as pool:
+            decoded = list(pool.map(decode, manifest.tensors))
+        tensors = [
+            (
+                e.name,
+                torch.from_numpy(new).view(dtype_from_name(e.dtype)).reshape(e.shape),
+            )
+            if new.size
+            else (e.name, torch.empty(e.shape, dtype=dtype_from_name(e.dtype)))
+            for e, new, _ in decoded
+        ]
+        # Everything verified: now write into the local checkpoint.
+        base = manifest.base_version
+        assert base is not None
+        if all(in_place for _, _, in_place in decoded):
+            self._write_state(base, writing=version)
+            files: dict[Path, list[tuple[int, np.ndarray]]] = {}
+            for e, new, _ in decoded:
+                f, off, _, _ = layout[e.name]
+                files.setdefault(f, []).append((off, new))
+            for f, patches in files.items():
+                fd = os.open(f, os.O_WRONLY)
+                try:
+                    for off, new in patches:
+                        os.pwrite(fd, new.tobytes(), off)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self._write_state(version)
+        else:
+            current = _read_local_tensors(local)
+            current.update(dict(tensors))
+            self._replace_local(current.items(), version, local)
+        return tensors
+
+    def apply(self, update: WeightUpdate, target: WeightTarget | DiskWeightTarget) -> None:
+        """Patch the local checkpoint (verified), then load: from disk for a DiskWeightTarget,
+        else the changed tensors through ``load_weights``."""
+        tensors = self._receive(update, target.weight_version)
+        if isinstance(target, DiskWeightTarget):
+            target.load_weights_from_disk(str(self._require_local()), version=update.version)
+        else:
+            target.load_weights(tensors, version=update.version)

@@ -1,0 +1,273 @@
+"""Full Hugging Face checkpoints on disk, one directory per version.
+
+The sender writes ``<directory>/weight_v000007/`` holding ``model.safetensors`` (or shards plus
+``model.safetensors.index.json``), the config and tokenizer files copied from ``assets_dir``, a
+``manifest.json`` with per-tensor checksums, and a ``COMPLETE`` marker written last. The directory
+is built under a temporary name and renamed into place, so readers never see a partial version::
+
+    sender = DiskFullTransport(DiskFullTransport.Config(directory="/shared/sync", assets_dir="ckpt/"))
+    update = sender.publish(7, policy.named_weights())
+    # on a rollout host, with the same directory mounted:
+    receiver = DiskFullTransport(DiskFullTransport.Config(directory="/shared/sync"))
+    receiver.apply(update, generator)     # or a DiskWeightTarget: loads from the directory
+
+Each version directory is itself a valid Hugging Face checkpoint (e.g. for SGLang's
+``/update_weights_from_disk``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from safetensors import safe_open
+
+from rl_core.errors import WeightSyncError
+from rl_core.interfaces import WeightTarget, WeightTransport
+from rl_core.types import WeightUpdate
+from rl_weightsync import _fs
+from rl_weightsync.checksum import CHECKSUM_ALGORITHMS, verify_checksum
+from rl_weightsync.manifest import Manifest, dtype_from_name, safe_join
+
+__all__ = ["DEFAULT_ASSET_PATTERNS", "DiskFullTransport", "DiskWeightTarget", "cast_for_serving"]
+
+DEFAULT_ASSET_PATTERNS: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "chat_template*",
+)
+"""Files copied from ``assets_dir`` into every full checkpoint."""
+
+
+@runtime_checkable
+class DiskWeightTarget(Protocol):
+    """A target that loads a verified Hugging Face checkpoint directory itself.
+
+    Disk transports call ``load_weights_from_disk`` instead of materialising tensors, e.g. an
+    SGLang generator forwarding the path to ``/update_weights_from_disk``.
+    """
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights currently loaded."""
+        ...
+
+    def load_weights_from_disk(self, path: str, *, version: int) -> None:
+        """Load the checkpoint at ``path`` (verified, complete) and set ``version``."""
+        ...
+
+
+def cast_for_serving(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], serve_dtype: str | None, *, version: int
+) -> list[tuple[str, torch.Tensor]]:
+    """CPU copies of the tensors, floating ones cast to ``serve_dtype`` (``None`` keeps dtypes)."""
+    dtype = dtype_from_name(serve_dtype) if serve_dtype else None
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[str] = set()
+    for name, t in named_tensors:
+        if name in seen:
+            raise WeightSyncError(
+                f"publish of weight version {version}: tensor {name!r} appears twice; "
+                "named_tensors must yield each name once"
+            )
+        if not isinstance(t, torch.Tensor):
+            raise WeightSyncError(
+                f"publish of weight version {version}: {name!r} is a {type(t).__name__}, "
+                "not a torch.Tensor"
+            )
+        seen.add(name)
+        t = t.detach()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(device="cpu", dtype=dtype)
+        else:
+            t = t.to(device="cpu", copy=True)
+        out.append((name, t.contiguous()))
+    return out
+
+
+def load_checkpoint_tensors(
+    version_dir: Path, manifest: Manifest
+) -> list[tuple[str, torch.Tensor]]:
+    """Read every tensor of a full checkpoint and verify dtype, shape and checksum."""
+    version = manifest.version
+    by_file: dict[str, list] = {}
+    for e in manifest.tensors:
+        by_file.setdefault(e.file, []).append(e)
+    out: dict[str, torch.Tensor] = {}
+    for fname, entries in by_file.items():
+        path = safe_join(version_dir, fname, version=version, tensor=entries[0].name)
+        if not path.is_file():
+            raise WeightSyncError(
+                f"tensor {entries[0].name!r} of weight version {version}: file {str(path)!r} is "
+                "missing; the version is incomplete or was pruned. Republish it or apply a newer one"
+            )
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for e in entries:
+                    out[e.name] = f.get_tensor(e.name)
+        except WeightSyncError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad files
+            raise WeightSyncError(
+                f"tensor {entries[0].name!r} of weight version {version}: cannot read "
+                f"{str(path)!r} ({exc}); the file is truncated or corrupt. Republish the version"
+            ) from None
+    result = []
+    for e in manifest.tensors:
+        t = out[e.name]
+        if t.dtype != dtype_from_name(e.dtype) or tuple(t.shape) != e.shape:
+            raise WeightSyncError(
+                f"tensor {e.name!r} of weight version {version}: file holds {t.dtype} "
+                f"{tuple(t.shape)}, manifest says {e.dtype} {e.shape}; republish the version"
+            )
+        verify_checksum(t, e.checksum, name=e.name, version=version)
+        result.append((e.name, t))
+    return result
+
+
+class DiskFullTransport(WeightTransport):
+    """A complete, atomically written Hugging Face safetensors checkpoint per version."""
+
+    name: ClassVar[str] = "disk_full"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`DiskFullTransport`."""
+
+        directory: str | Path
+        """Shared sync directory (sender writes, receivers read); created if missing."""
+        keep_versions: int = 2
+        """Complete versions kept; older ones are removed after each publish (>= 1)."""
+        assets_dir: str | Path | None = None
+        """Hugging Face checkpoint whose config and tokenizer files are copied into each version."""
+        asset_patterns: tuple[str, ...] = field(default_factory=lambda: DEFAULT_ASSET_PATTERNS)
+        """Glob patterns of the files copied from ``assets_dir``."""
+        max_shard_bytes: int = 5 << 30
+        """Largest safetensors shard; more bytes produce shards plus an index."""
+        serve_dtype: str | None = None
+        """Cast floating tensors to this dtype (``"bfloat16"``) before writing; ``None`` keeps them."""
+        checksum: str = "xxh3_128"
+        """Per-tensor checksum algorithm."""
+
+    def __init__(self, config: Config) -> None:
+        """Build from ``config``; raises WeightSyncError naming a bad field."""
+        self.config = config
+        if config.keep_versions < 1:
+            raise WeightSyncError(
+                f"DiskFullTransport.Config.keep_versions: expected an int >= 1, got {config.keep_versions!r}"
+            )
+        if config.checksum not in CHECKSUM_ALGORITHMS:
+            raise WeightSyncError(
+                f"DiskFullTransport.Config.checksum: unknown algorithm {config.checksum!r}; use one "
+                f"of {sorted(CHECKSUM_ALGORITHMS)}"
+            )
+        if config.serve_dtype is not None:
+            dtype_from_name(config.serve_dtype)
+        self.directory = Path(config.directory)
+        self._lock = threading.Lock()
+
+    @property
+    def versions(self) -> list[int]:
+        """Complete versions present in the directory, ascending."""
+        return _fs.complete_versions(self.directory)
+
+    def version_dir(self, version: int) -> Path:
+        """Directory of ``version`` (which may not exist)."""
+        return self.directory / _fs.version_dirname(version)
+
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> WeightUpdate:
+        """Write ``version`` as a full checkpoint (atomic), then prune old versions."""
+        with self._lock:
+            existing = _fs.all_versions(self.directory)
+            if existing and version <= existing[-1]:
+                raise WeightSyncError(
+                    f"publish of weight version {version} refused: version {existing[-1]} already "
+                    f"exists in {str(self.directory)!r} and versions must increase. Publish a "
+                    f"version above {existing[-1]} or use a fresh directory"
+                )
+            tensors = cast_for_serving(named_tensors, self.config.serve_dtype, version=version)
+            tmp = _fs.new_temp_dir(self.directory, version)
+            try:
+                entries = _fs.write_safetensors_checkpoint(
+                    tmp,
+                    tensors,
+                    max_shard_bytes=self.config.max_shard_bytes,
+                    checksum=self.config.checksum,
+                    version=version,
+                )
+                assets = Path(self.config.assets_dir) if self.config.assets_dir else None
+                _fs.copy_assets(assets, tmp, self.config.asset_patterns)
+                nbytes = sum(e.nbytes for e in entries)
+                manifest = Manifest(
+                    version=version,
+                    base_version=None,
+                    kind="full",
+                    tensors=tuple(entries),
+                    checksum=self.config.checksum,
+                    num_tensors=len(entries),
+                    extra={"bytes": nbytes},
+                )
+                _fs.write_bytes_synced(tmp / _fs.MANIFEST, manifest.to_json().encode())
+                final = self.version_dir(version)
+                _fs.commit_dir(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _fs.prune(self.directory, self.config.keep_versions)
+        return WeightUpdate(
+            version=version,
+            base_version=None,
+            transport=self.name,
+            location=str(final),
+            metadata={"num_tensors": len(entries), "bytes": nbytes},
+        )
+
+    def _check(self, update: WeightUpdate, current_version: int) -> tuple[Path, Manifest]:
+        version = update.version
+        if update.transport != self.name:
+            raise WeightSyncError(
+                f"weight version {version}: update made by transport {update.transport!r}, not "
+                f"{self.name!r}; pass it to the transport that published it"
+            )
+        if version <= current_version:
+            raise WeightSyncError(
+                f"weight version {version} refused: the receiver is already on version "
+                f"{current_version} (replayed or out-of-order update). Apply only newer updates"
+            )
+        vdir = self.version_dir(version)
+        if not (vdir / _fs.COMPLETE).is_file():
+            raise WeightSyncError(
+                f"weight version {version}: no complete checkpoint at {str(vdir)!r} (never "
+                "published, still being written, or pruned). Apply the newest update, or raise "
+                "DiskFullTransport.Config.keep_versions"
+            )
+        return vdir, _fs.read_manifest(vdir, version)
+
+    def receive(
+        self, update: WeightUpdate, *, current_version: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """All tensors of ``update``, read and verified before the first is yielded."""
+        vdir, manifest = self._check(update, current_version)
+        return iter(load_checkpoint_tensors(vdir, manifest))
+
+    def apply(self, update: WeightUpdate, target: WeightTarget | DiskWeightTarget) -> None:
+        """Verify, then load into ``target`` (from the directory for a :class:`DiskWeightTarget`)."""
+        if isinstance(target, DiskWeightTarget):
+            vdir, manifest = self._check(update, target.weight_version)
+            load_checkpoint_tensors(vdir, manifest)  # verify every byte before the engine reads
+            target.load_weights_from_disk(str(vdir), version=update.version)
+            return
+        tensors = list(self.receive(update, current_version=target.weight_version))
+        target.load_weights(tensors, version=update.version)
