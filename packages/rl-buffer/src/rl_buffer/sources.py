@@ -1,0 +1,557 @@
+"""Prompt data sources: JSONL, Parquet and local Hugging Face ``datasets``, and weighted mixtures.
+
+Every file source reads its records once at construction, checks them (a malformed line or a
+missing key raises :class:`~rl_core.errors.DataError` naming the file, line and key), tokenizes
+every prompt, and drops prompts longer than ``max_prompt_tokens`` (counted and logged, never
+truncated). Draws then walk a per-epoch permutation seeded by ``(seed, epoch)``; the cursor
+(epoch, position) is the whole state, so resuming is exact::
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    src = JsonlSource(JsonlSource.Config(path="data/math.jsonl@[0:1000]",
+                                         apply_chat_template=True, max_prompt_tokens=1024), tok)
+    prompts = src.next_prompts(32)           # Prompt(uid="math:0:417", token_ids=(...), label=...)
+    ckpt = src.state_dict()                  # {"epoch": 0, "position": 32, ...}
+
+A record's input (``input_key``) is plain text or a list of chat messages
+(``[{"role": "user", "content": "..."}]``). With ``apply_chat_template`` the tokenizer's chat
+template renders it (text becomes one user message) with ``add_generation_prompt=True`` and
+``chat_template_kwargs``; the rendered text is then encoded without extra special tokens. Without
+it, text is encoded directly and chat messages are an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rl_core.errors import CheckpointError, ConfigError, DataError
+from rl_core.interfaces import DataSource, Tokenizer
+from rl_core.types import Prompt
+
+__all__ = [
+    "FileSource",
+    "HFDatasetSource",
+    "JsonlSource",
+    "MixtureSource",
+    "ParquetSource",
+    "SourceConfig",
+    "parse_sliced_path",
+]
+
+logger = logging.getLogger(__name__)
+
+_SLICE_RE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+
+def parse_sliced_path(path: str) -> tuple[str, slice]:
+    """Split ``"file.jsonl@[a:b]"`` into the file and a Python slice of its records.
+
+    Either bound may be omitted or negative, as in Python: ``@[:100]``, ``@[-50:]``. A path
+    without ``@[...]`` selects every record.
+    """
+    m = _SLICE_RE.match(path)
+    if m is None:
+        return path, slice(None)
+    start = int(m["start"]) if m["start"] else None
+    stop = int(m["stop"]) if m["stop"] else None
+    return m["path"], slice(start, stop)
+
+
+@dataclass(kw_only=True, slots=True)
+class SourceConfig:
+    """Options shared by every file-backed prompt source."""
+
+    path: str
+    """File (or dataset directory) to read; ``path@[a:b]`` keeps records ``a`` to ``b`` (Python
+    slice semantics over the records in file order)."""
+    name: str | None = None
+    """Source name used in prompt uids and metrics; default: the file name without suffix."""
+    input_key: str = "prompt"
+    """Record key of the prompt: a string, or a list of chat messages."""
+    label_key: str | None = "label"
+    """Record key of the reference answer; ``None`` if the data has no labels."""
+    metadata_key: str | None = None
+    """Record key of a dict (or a JSON string of one) merged into ``Prompt.metadata``."""
+    tools_key: str | None = None
+    """Record key of a tool list, passed to the chat template as ``tools=`` and kept in
+    ``Prompt.metadata["tools"]``."""
+    apply_chat_template: bool = False
+    """Render the input with the tokenizer's chat template (with a generation prompt)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``)."""
+    add_special_tokens: bool = True
+    """For plain text without a chat template: let the tokenizer add its special tokens (BOS)."""
+    max_prompt_tokens: int | None = None
+    """Prompts with more tokens are dropped (counted and logged), never truncated."""
+    shuffle: bool = True
+    """Shuffle the records every epoch."""
+    seed: int = 0
+    """Seed of the shuffle; epoch ``e`` uses the permutation seeded by ``(seed, e)``."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("data_source.path: empty; set the file to read.")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(
+                f"data_source.max_prompt_tokens: must be >= 1 or None, got {self.max_prompt_tokens}."
+            )
+        if not self.input_key:
+            raise ConfigError("data_source.input_key: empty; name the record key of the prompt.")
+
+
+@dataclass(slots=True)
+class _Row:
+    row: int
+    input: str | list[dict[str, Any]]
+    token_ids: tuple[int, ...]
+    label: Any
+    metadata: dict[str, Any]
+
+
+class FileSource(DataSource):
+    """Base of the file-backed sources: record checking, tokenization, length filter, per-epoch
+    shuffle and the exact cursor. Subclasses implement :meth:`_read_records`."""
+
+    Config = SourceConfig
+
+    def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        file, self._slice = parse_sliced_path(config.path)
+        self.file = Path(file)
+        self.name: str = config.name or self.file.name.split(".")[0]
+        """Source name (uids are ``f"{name}:{epoch}:{row}"``)."""
+        if not self.file.exists():
+            raise DataError(f"{self.file}: no such file or directory (data_source.path).")
+        self.num_records = 0
+        """Records read (after slicing, before the length filter)."""
+        self.num_dropped_too_long = 0
+        """Records dropped because their prompt exceeds ``max_prompt_tokens``."""
+        self._rows: list[_Row] = []
+        too_long: list[str] = []
+        for row, where, record in self._read_records():
+            self.num_records += 1
+            r = self._convert(row, where, record)
+            if config.max_prompt_tokens is not None and len(r.token_ids) > config.max_prompt_tokens:
+                self.num_dropped_too_long += 1
+                if len(too_long) < 5:
+                    too_long.append(f"{where} ({len(r.token_ids)} tokens)")
+                continue
+            self._rows.append(r)
+        if self.num_dropped_too_long:
+            logger.warning(
+                "%s: dropped %d of %d prompts longer than max_prompt_tokens=%d (first: %s); "
+                "raise max_prompt_tokens to keep them.",
+                self.file,
+                self.num_dropped_too_long,
+                self.num_records,
+                config.max_prompt_tokens,
+                ", ".join(too_long),
+            )
+        if not self._rows:
+            raise DataError(
+                f"{config.path}: no prompts left ({self.num_records} records read, "
+                f"{self.num_dropped_too_long} longer than max_prompt_tokens). Check the path, "
+                "the slice and max_prompt_tokens."
+            )
+        self._epoch = 0
+        self._pos = 0
+        self._order = self._epoch_order(0)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _read_records(self) -> Sequence[tuple[int, str, Any]]:
+        """``(row index, location for messages, record)`` for every record in the slice."""
+        raise NotImplementedError
+
+    def _get(self, record: Any, key: str, where: str, option: str) -> Any:
+        if not isinstance(record, Mapping):
+            raise DataError(
+                f"{where}: expected a JSON object (a mapping of keys), got {type(record).__name__}."
+            )
+        if key not in record:
+            keys = ", ".join(sorted(map(str, record))[:10])
+            raise DataError(
+                f"{where}: missing key {key!r} (keys present: {keys}). Set {option} to the key "
+                "that holds it, or fix the record."
+            )
+        return record[key]
+
+    def _convert(self, row: int, where: str, record: Any) -> _Row:
+        cfg = self.config
+        inp = self._get(record, cfg.input_key, where, "input_key")
+        label = self._get(record, cfg.label_key, where, "label_key") if cfg.label_key else None
+        metadata: dict[str, Any] = {}
+        if cfg.metadata_key:
+            meta = self._get(record, cfg.metadata_key, where, "metadata_key")
+            if isinstance(meta, str):
+                try:
+                    meta = json.loads(meta)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"{where}: key {cfg.metadata_key!r} is a string but not JSON ({e.msg}); "
+                        "store a JSON object."
+                    ) from None
+            if meta is not None and not isinstance(meta, Mapping):
+                raise DataError(
+                    f"{where}: key {cfg.metadata_key!r} must be an object, got "
+                    f"{type(meta).__name__}."
+                )
+            metadata.update(meta or {})
+        tools = None
+        if cfg.tools_key:
+            tools = self._get(record, cfg.tools_key, where, "tools_key")
+            metadata["tools"] = tools
+        metadata["source"] = self.name
+        metadata["row"] = row
+        if isinstance(inp, str):
+            pass
+        elif isinstance(inp, list) and all(
+            isinstance(m, Mapping) and "role" in m and "content" in m for m in inp
+        ):
+            inp = [dict(m) for m in inp]
+        else:
+            raise DataError(
+                f"{where}: key {cfg.input_key!r} must be a string or a list of chat messages "
+                f"({{'role': ..., 'content': ...}}), got {type(inp).__name__}."
+            )
+        return _Row(row, inp, self._tokenize(inp, tools, where), label, metadata)
+
+    def _tokenize(self, inp: str | list[dict[str, Any]], tools: Any, where: str) -> tuple[int, ...]:
+        cfg = self.config
+        if not cfg.apply_chat_template:
+            if not isinstance(inp, str):
+                raise DataError(
+                    f"{where}: key {cfg.input_key!r} holds chat messages but apply_chat_template "
+                    "is false; set apply_chat_template=true to render them."
+                )
+            ids = self.tokenizer.encode(inp, add_special_tokens=cfg.add_special_tokens)
+        else:
+            messages = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+            kwargs = dict(cfg.chat_template_kwargs)
+            if tools is not None:
+                kwargs["tools"] = tools
+            try:
+                text = self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                    messages, tokenize=False, add_generation_prompt=True, **kwargs
+                )
+            except Exception as e:  # the template is user code (Jinja); name the record
+                raise DataError(f"{where}: the chat template failed on this record: {e}") from e
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        out = tuple(int(t) for t in ids)
+        if not out:
+            raise DataError(f"{where}: the prompt tokenizes to zero tokens; remove the record.")
+        return out
+
+    # -- drawing ---------------------------------------------------------------------------
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        order = np.arange(len(self._rows))
+        if self.config.shuffle:
+            np.random.default_rng([self.config.seed, epoch]).shuffle(order)
+        return order
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts in this epoch's order, rolling into the next epoch as needed.
+
+        Uids are ``f"{name}:{epoch}:{row}"`` (row: record index in the file), unique per draw.
+        """
+        if n < 0:
+            raise ValueError(f"next_prompts: n must be >= 0, got {n}.")
+        out: list[Prompt] = []
+        while len(out) < n:
+            if self._pos == len(self._rows):
+                self._epoch += 1
+                self._pos = 0
+                self._order = self._epoch_order(self._epoch)
+            r = self._rows[int(self._order[self._pos])]
+            self._pos += 1
+            inp = r.input if isinstance(r.input, str) else [dict(m) for m in r.input]
+            out.append(
+                Prompt(
+                    uid=f"{self.name}:{self._epoch}:{r.row}",
+                    input=inp,
+                    token_ids=r.token_ids,
+                    label=r.label,
+                    metadata={**r.metadata, "epoch": self._epoch},
+                )
+            )
+        return out
+
+    def __len__(self) -> int:
+        """Prompts per epoch (records kept after the length filter)."""
+        return len(self._rows)
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch (0-based)."""
+        return self._epoch
+
+    def stats(self) -> dict[str, float]:
+        """Counters as metrics: records read, prompts kept, prompts dropped as too long."""
+        p = f"data/{self.name}"
+        return {
+            f"{p}/records": float(self.num_records),
+            f"{p}/prompts": float(len(self._rows)),
+            f"{p}/dropped_too_long": float(self.num_dropped_too_long),
+            f"{p}/epoch": float(self._epoch),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor: ``{"name", "epoch", "position", "num_prompts", "seed"}``."""
+        return {
+            "name": self.name,
+            "epoch": self._epoch,
+            "position": self._pos,
+            "num_prompts": len(self._rows),
+            "seed": self.config.seed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the cursor; refuses a state of a different source or dataset size."""
+        missing = [k for k in ("name", "epoch", "position", "num_prompts") if k not in state]
+        if missing:
+            raise CheckpointError(
+                f"data source {self.name!r}: state lacks {missing}; it is not a "
+                f"{type(self).__name__} cursor."
+            )
+        if state["name"] != self.name or state["num_prompts"] != len(self._rows):
+            raise CheckpointError(
+                f"data source {self.name!r}: the checkpoint is for source {state['name']!r} with "
+                f"{state['num_prompts']} prompts, but this one has {len(self._rows)}; the data "
+                "or its slice/filters changed since the checkpoint. Restore the same data."
+            )
+        if not 0 <= int(state["position"]) <= len(self._rows) or int(state["epoch"]) < 0:
+            raise CheckpointError(f"data source {self.name!r}: cursor out of range: {dict(state)}.")
+        self._epoch = int(state["epoch"])
+        self._pos = int(state["position"])
+        self._order = self._epoch_order(self._epoch)
+
+
+class JsonlSource(FileSource):
+    """Prompts from a JSON-lines file, one JSON object per line (blank lines are skipped).
+
+    See :class:`SourceConfig` for the options; the slice ``@[a:b]`` counts non-blank lines.
+    Errors name ``file:line``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SourceConfig):
+        """Options of :class:`JsonlSource` (all from :class:`SourceConfig`)."""
+
+    def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
+        super().__init__(config, tokenizer)
+
+    def _read_records(self) -> list[tuple[int, str, Any]]:
+        lines: list[tuple[int, str]] = []
+        with open(self.file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    lines.append((lineno, line))
+        indexed = list(enumerate(lines))[self._slice]
+        out = []
+        for row, (lineno, line) in indexed:
+            where = f"{self.file}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{where}: malformed JSON ({e.msg} at column {e.colno}). Fix or remove the line."
+                ) from None
+            out.append((row, where, record))
+        return out
+
+
+class ParquetSource(FileSource):
+    """Prompts from a Parquet file (extra ``rl-buffer[parquet]``: pyarrow). Errors name
+    ``file:row N``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SourceConfig):
+        """Options of :class:`ParquetSource` (all from :class:`SourceConfig`)."""
+
+    def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
+        super().__init__(config, tokenizer)
+
+    def _read_records(self) -> list[tuple[int, str, Any]]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(
+                "ParquetSource needs pyarrow: pip install 'rl-buffer[parquet]'."
+            ) from None
+        try:
+            records = pq.read_table(self.file).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise DataError(f"{self.file}: not a readable Parquet file: {e}") from e
+        rows = list(enumerate(records))[self._slice]
+        return [(i, f"{self.file}:row {i}", rec) for i, rec in rows]
+
+
+class HFDatasetSource(FileSource):
+    """Prompts from a Hugging Face ``datasets`` dataset on local disk (extra
+    ``rl-buffer[datasets]``).
+
+    ``path`` is a directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``: pick the
+    ``split``), or a local data file (``.json``/``.jsonl``/``.csv``/``.parquet``) loaded with
+    ``datasets.load_dataset``. Nothing is downloaded.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SourceConfig):
+        """Options of :class:`HFDatasetSource`."""
+
+        split: str = "train"
+        """Split to read from a ``DatasetDict`` or a data file."""
+
+    def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
+        super().__init__(config, tokenizer)
+
+    def _read_records(self) -> list[tuple[int, str, Any]]:
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError(
+                "HFDatasetSource needs datasets: pip install 'rl-buffer[datasets]'."
+            ) from None
+        split = getattr(self.config, "split", "train")
+        if self.file.is_dir():
+            ds = datasets.load_from_disk(str(self.file))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ConfigError(
+                        f"data_source.split: {split!r} not in {self.file} (splits: {list(ds)})."
+                    )
+                ds = ds[split]
+        else:
+            kind = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(
+                self.file.suffix.lstrip(".")
+            )
+            if kind is None:
+                raise ConfigError(
+                    f"data_source.path: {self.file} is neither a saved dataset directory nor a "
+                    ".json/.jsonl/.csv/.parquet file."
+                )
+            ds = datasets.load_dataset(kind, data_files=str(self.file), split=split)
+        n = len(ds)
+        idx = range(n)[self._slice]
+        sub = ds.select(list(idx)) if len(idx) != n else ds
+        return [(i, f"{self.file}:row {i}", rec) for i, rec in zip(idx, sub)]
+
+
+class MixtureSource(DataSource):
+    """Several sources mixed by weight, with an exact cursor.
+
+    Draw ``i`` picks its source from a block of choices seeded by ``(seed, i // block)``, so the
+    mixture's state is its draw counter plus every child's cursor::
+
+        mix = MixtureSource({"math": (math_src, 3.0), "code": (code_src, 1.0)}, seed=0)
+        mix.next_prompts(8)        # ~6 math, ~2 code prompts, in a reproducible order
+
+    ``len()`` is the sum of the children's lengths (one "epoch" of draws; not a permutation:
+    children are sampled by weight and each cycles through its own epochs). Uids are
+    ``f"{name}/{child}:{child_uid}"``.
+    """
+
+    _BLOCK = 1024
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Options of :class:`MixtureSource` (the children are built by the caller)."""
+
+        seed: int = 0
+        """Seed of the per-draw source choice."""
+        name: str = "mix"
+        """Prefix of the mixed prompts' uids (``f"{name}/{child}:{child_uid}"``), which keeps
+        them unique even when children name their prompts alike."""
+
+    def __init__(
+        self,
+        sources: Mapping[str, tuple[DataSource, float]],
+        config: MixtureSource.Config | None = None,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        if not sources:
+            raise ConfigError("MixtureSource: no sources given.")
+        self.config = config or MixtureSource.Config()
+        if seed is not None:
+            self.config.seed = seed
+        self.names = list(sources)
+        """Child names, in the order given."""
+        self.sources = [sources[k][0] for k in self.names]
+        w = np.array([float(sources[k][1]) for k in self.names])
+        if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+            raise ConfigError(
+                f"MixtureSource: weights must be finite, >= 0, and not all 0; got "
+                f"{dict(zip(self.names, w.tolist()))}."
+            )
+        self.weights = w / w.sum()
+        """Normalised weights."""
+        self._draws = 0
+        self._block_id = -1
+        self._block: np.ndarray = np.empty(0, dtype=np.int64)
+        self.counts = [0] * len(self.sources)
+        """Prompts drawn from each child."""
+
+    def _choice(self, i: int) -> int:
+        b = i // self._BLOCK
+        if b != self._block_id:
+            rng = np.random.default_rng([self.config.seed, b])
+            self._block = rng.choice(len(self.sources), size=self._BLOCK, p=self.weights)
+            self._block_id = b
+        return int(self._block[i % self._BLOCK])
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts; each is tagged ``metadata["mixture_source"]``."""
+        if n < 0:
+            raise ValueError(f"next_prompts: n must be >= 0, got {n}.")
+        picks = [self._choice(self._draws + j) for j in range(n)]
+        per: dict[int, list[Prompt]] = {}
+        for k in sorted(set(picks)):
+            per[k] = self.sources[k].next_prompts(picks.count(k))
+        self._draws += n
+        out = []
+        pos = dict.fromkeys(per, 0)
+        for k in picks:
+            p = per[k][pos[k]]
+            pos[k] += 1
+            p.uid = f"{self.config.name}/{self.names[k]}:{p.uid}"
+            p.metadata["mixture_source"] = self.names[k]
+            out.append(p)
+            self.counts[k] += 1
+        return out
+
+    def __len__(self) -> int:
+        """Sum of the children's prompts per epoch."""
+        return sum(len(s) for s in self.sources)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Draw counter, per-child counts and every child's state."""
+        return {
+            "draws": self._draws,
+            "names": list(self.names),
+            "counts": list(self.counts),
+            "sources": {k: s.state_dict() for k, s in zip(self.names, self.sources)},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the draw counter and every child's cursor."""
+        if "draws" not in state or "sources" not in state:
+            raise CheckpointError("MixtureSource: state lacks 'draws'/'sources'.")
+        if list(state.get("names", [])) != self.names:
+            raise CheckpointError(
+                f"MixtureSource: checkpoint mixes {state.get('names')}, this run mixes "
+                f"{self.names}; use the same sources in the same order."
+            )
+        for k, s in zip(self.names, self.sources):
+            s.load_state_dict(state["sources"][k])
+        self._draws = int(state["draws"])
+        self.counts = [int(c) for c in state["counts"]]
