@@ -1,0 +1,44 @@
+# Two commands matter: `make demo` (a real RL run on the embedded default) and `make test`.
+# Both create .venv on first use. torch is pinned to the CPU build 2.13.0 in every install path.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
+EDITABLES := -e "packages/rl-core[hf,yaml,test]" -e "packages/rl-buffer[parquet,datasets]" -e packages/rl-weightsync \
+             -e packages/rl-sglang -e packages/rl-megatron -e apps/trainer
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: $(PKG_FILES) Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(EDITABLES) "torch==2.13.0" ruff build
+	@touch $@
+
+demo: setup
+	$(BIN)/rl-train run demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+bench: setup
+	$(BIN)/python benchmarks/balance.py
+	$(BIN)/python benchmarks/weightsync.py
+	$(BIN)/python benchmarks/rollout_reference.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

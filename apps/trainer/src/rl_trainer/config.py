@@ -1,0 +1,260 @@
+"""The trainer's root configuration: one typed tree built from a recipe plus ``--set`` overrides.
+
+A recipe is YAML or TOML::
+
+    run_dir: runs/demo
+    seed: 1
+    model: {init: {arch: qwen2, hidden_size: 128, num_layers: 2}}
+    task: {type: reverse, n_train: 4000}
+    rollout: {prompts_per_step: 16, n_samples: 8, sampling: {temperature: 1.0, max_new_tokens: 12}}
+    rl: {steps: 150}
+
+Components are chosen by registry name (``policy: {type: hf, lr: 1e-4}``); their options are
+validated by the component's own ``Config`` when the trainer builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rl_core.config import ComponentSpec, apply_overrides, from_dict, load_config_file
+from rl_core.errors import ConfigError
+from rl_core.types import SamplingParams
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RLConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+    "load_trainer_config",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Where the initial weights and tokenizer come from."""
+
+    path: str | None = None
+    """A Hugging Face model directory. When ``init`` is set and this is empty, the tiny model is
+    built into ``<run_dir>/init_model``."""
+    init: dict[str, Any] | None = None
+    """Build a tiny random model from this spec (fields of
+    :class:`rl_core.reference.tiny.TinyModelSpec`) instead of loading one; no downloads."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Prompt sources, when not given by a built-in ``task``."""
+
+    train: ComponentSpec | None = None
+    """Training prompts, e.g. ``{type: jsonl, path: data/train.jsonl}``."""
+    eval: ComponentSpec | None = None
+    """Held-out prompts for evaluation."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    """Sampling settings (see :class:`rl_core.types.SamplingParams`)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus mass."""
+    top_k: int = 0
+    """Top-k cut; 0 disables it."""
+    max_new_tokens: int = 32
+    """Response length limit."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens besides the tokenizer's EOS."""
+
+    def to_params(self, *, seed: int | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` for one request."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=tuple(self.stop_token_ids),
+            seed=seed,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """How groups are generated and kept."""
+
+    prompts_per_step: int = 16
+    """Groups (prompts) trained on per RL step."""
+    n_samples: int = 8
+    """Rollouts per prompt (GRPO group size)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling for training rollouts."""
+    generate_fn: ComponentSpec | None = None
+    """A custom rollout (``GenerateFn``); default: plain single-turn sampling."""
+    filters: list[ComponentSpec] = field(default_factory=list)
+    """Group filters (dynamic sampling); dropped groups are replaced by over-sampling."""
+    over_sampling_factor: float = 1.0
+    """With filters: ask for this many times the prompts the observed keep rate suggests."""
+    max_rounds: int = 8
+    """Generation rounds per step at most when filters drop groups (then the run stops with an
+    error naming the filters)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """Advantage estimator and loss."""
+
+    advantage: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or
+    ``module:attr``."""
+    advantage_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the estimator's ``Config``."""
+    loss: dict[str, Any] = field(default_factory=dict)
+    """Options of :class:`rl_core.algorithms.losses.PolicyLoss`'s ``Config`` (variant, clip
+    ranges, entropy and KL coefficients, mismatch correction)."""
+    aggregation: Literal["token", "sequence", "rollout", "constant"] = "token"
+    """How token losses are averaged over the step."""
+    aggregation_constant: float | None = None
+    """Divisor per sequence for ``aggregation: constant`` (Dr.GRPO: the max response length)."""
+    use_reference: bool = False
+    """Keep a frozen copy of the initial policy for a KL loss (needs ``loss.kl_coef`` > 0)."""
+    recompute_old_logprobs: bool = False
+    """Run a separate forward for old log-probs even when the data is on-policy (one optimizer
+    step per rollout batch makes them equal to the current ones, so the default skips it)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTConfig:
+    """Optional supervised warm-up on the training labels before RL."""
+
+    steps: int = 0
+    """Optimizer steps of warm-up; 0 skips it."""
+    batch_size: int = 64
+    """Examples per step."""
+    lr: float | None = None
+    """Learning rate of the warm-up (default: the policy's). RL starts from the warm-up's
+    weights with a fresh optimizer at the policy's learning rate."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """The RL phase."""
+
+    steps: int = 100
+    """RL steps (one rollout batch and one optimizer step each)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token cap of one micro-batch."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Evaluation on the held-out prompts."""
+
+    every: int = 10
+    """Evaluate every N RL steps (and at RL step 0 and the last step); 0 disables."""
+    max_prompts: int | None = None
+    """Evaluate on at most this many held-out prompts."""
+    n_samples: int = 1
+    """Samples per eval prompt."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    """Eval sampling (greedy by default)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """When checkpoints are written."""
+
+    every: int = 0
+    """Save every N steps (SFT and RL steps count alike); 0 saves only at the end."""
+    keep: int = 2
+    """Keep the newest K checkpoints."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    """Metrics outputs."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard event files under ``<run_dir>/tb``."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The root configuration of one run."""
+
+    run_dir: str = "runs/default"
+    """Where metrics, checkpoints and the final model go."""
+    seed: int = 0
+    """Seed of every random choice (data order, sampling, initialisation)."""
+    threads: int = 1
+    """torch intra-op threads of the trainer process."""
+    runtime: Literal["local"] = "local"
+    """``local``: everything in one process (the embedded default)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Initial weights and tokenizer."""
+    task: ComponentSpec | None = None
+    """A built-in task that writes its train/eval data and supplies the reward
+    (``{type: reverse}``); or set ``data`` and ``reward``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt sources when no task is set (or to override the task's)."""
+    reward: ComponentSpec | None = None
+    """Reward function (``RewardFn``) by registry name or ``module:attr``; default: the task's."""
+    policy: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="hf"))
+    """The trained model backend."""
+    generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="hf"))
+    """The rollout engine backend."""
+    weight_transport: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="inprocess"))
+    """How weights reach the generator."""
+    buffer: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="group"))
+    """Where scored groups wait for training."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm-up."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and loss."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """RL phase length and batching."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics outputs."""
+
+    @property
+    def run_path(self) -> Path:
+        """``run_dir`` as a path."""
+        return Path(self.run_dir)
+
+
+def load_trainer_config(
+    recipe: str | Path | dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()
+) -> TrainerConfig:
+    """Build the root config from a recipe file (or dict) plus ``a.b=c`` overrides."""
+    if recipe is None:
+        data: dict[str, Any] = {}
+    elif isinstance(recipe, dict):
+        data = recipe
+    else:
+        data = load_config_file(recipe)
+    data = apply_overrides(data, list(overrides))
+    cfg = from_dict(TrainerConfig, data)
+    if cfg.task is None and cfg.data.train is None:
+        raise ConfigError("task: set a built-in task (e.g. {type: reverse}) or data.train.")
+    if cfg.model.path is None and cfg.model.init is None:
+        raise ConfigError("model: set model.path (a Hugging Face directory) or model.init.")
+    if cfg.rollout.n_samples < 1 or cfg.rollout.prompts_per_step < 1:
+        raise ConfigError("rollout.n_samples and rollout.prompts_per_step must be >= 1.")
+    return cfg

@@ -1,0 +1,97 @@
+"""Generate ``docs/configuration.md`` from the config dataclasses' field docstrings.
+
+    python -m rl_trainer.docgen > docs/configuration.md
+
+A test checks that the committed file is up to date.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import typing
+from typing import Any
+
+from rl_trainer import config as config_module
+
+__all__ = ["field_docs", "render"]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each field of dataclass ``cls`` (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in itertools.pairwise(body):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def _type_str(tp: Any) -> str:
+    s = str(tp) if not isinstance(tp, type) else tp.__name__
+    s = s.replace("typing.", "").replace("rl_core.config.", "").replace("rl_trainer.config.", "")
+    return s.replace("|", "\\|")
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        v = f.default_factory()
+        if dataclasses.is_dataclass(v):
+            if type(v).__name__ == "ComponentSpec":
+                return f"{{type: {v.type}}}"
+            return "(table)"
+        return repr(v)
+    return "required"
+
+
+def render() -> str:
+    """The Markdown reference of :class:`rl_trainer.config.TrainerConfig`."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the config dataclasses by `python -m rl_trainer.docgen`; do not edit by hand.",
+        "A recipe (YAML or TOML) sets any of these; `--set a.b=c` overrides one field.",
+        "Unknown or ill-typed fields fail with their path. Component sections (`{type: ...}`) take",
+        "the options of the named component's own `Config`.",
+        "",
+    ]
+    seen: set[type] = set()
+
+    def section(cls: type, prefix: str) -> None:
+        if cls in seen:
+            return
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        title = prefix or "(root)"
+        out.extend([f"## `{title}`", "", (inspect.getdoc(cls) or "").split("\n")[0], ""])
+        out.extend(["| field | type | default | meaning |", "|---|---|---|---|"])
+        nested = []
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            out.append(
+                f"| `{f.name}` | `{_type_str(tp)}` | `{_default(f)}` | {docs.get(f.name, '')} |"
+            )
+            if dataclasses.is_dataclass(tp) and tp.__module__ == config_module.__name__:
+                nested.append((tp, f"{prefix}.{f.name}" if prefix else f.name))
+        out.append("")
+        for tp, p in nested:
+            section(tp, p)
+
+    section(config_module.TrainerConfig, "")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,593 @@
+"""The synchronous training loop on the ``local`` runtime (DESIGN §6)::
+
+    for step in range(rl.steps):
+        prompts  = train_data.next_prompts(P)              # DataSource
+        groups   = generate n rollouts per prompt           # Generator / GenerateFn
+        score    -> rewards, failures counted               # RewardFn
+        filter   -> over-sample until P groups are kept     # GroupFilter
+        buffer.put(groups); groups = buffer.take(P)         # Buffer
+        advantages -> packed TrainBatch (+ ref log-probs)   # AdvantageFn, loss weights
+        policy.train_step(batch, loss)                      # Policy, LossFn
+        update = transport.publish(version, named_weights)  # WeightTransport
+        generator.update_weights(update, transport)
+        evaluate / checkpoint on schedule
+
+An optional SFT warm-up on the training labels runs first, with the same policy and packing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rl_buffer.balance import schedule_step
+from rl_buffer.sampler import DynamicSampler
+from rl_core import registry
+from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss, SFTLoss, compute_loss_weights
+from rl_core.batching import pack_rollouts
+from rl_core.config import ComponentSpec, from_dict, to_dict
+from rl_core.errors import ConfigError, RLError
+from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, TrainBatch
+from rl_trainer.checkpoint import (
+    capture_rng,
+    latest_checkpoint,
+    load_trainer_state,
+    restore_rng,
+    write_checkpoint,
+)
+from rl_trainer.config import TrainerConfig
+from rl_trainer.metrics import MetricsLogger
+from rl_trainer.rollout import RolloutStats, Scorer, filter_groups, generate_groups
+
+__all__ = ["Trainer"]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+class Trainer:
+    """Builds every component from a :class:`TrainerConfig` and runs SFT warm-up then RL."""
+
+    def __init__(self, config: TrainerConfig, *, resume: bool = False) -> None:
+        self.config = config
+        self.resume = resume
+        self.run_dir = config.run_path
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(config.threads)
+        self._seed_everything(config.seed)
+        self._build()
+
+    # ----------------------------------------------------------------------------- setup
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _model_path(self) -> str:
+        cfg = self.config
+        if cfg.model.path:
+            return cfg.model.path
+        from rl_core.reference.tiny import TinyModelSpec, build_tiny_model
+
+        path = self.run_dir / "init_model"
+        if not (path / "config.json").exists():
+            spec = from_dict(
+                TinyModelSpec, {"seed": cfg.seed, **(cfg.model.init or {})}, path="model.init"
+            )
+            build_tiny_model(path, spec)
+        return str(path)
+
+    @staticmethod
+    def _with(kind: str, spec: ComponentSpec, **defaults: Any) -> ComponentSpec:
+        """``spec`` with run-wide defaults (model path, seed) for the options its ``Config`` has."""
+        cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
+        known = (
+            {f.name for f in dataclasses.fields(cls.Config)} if hasattr(cls, "Config") else set()
+        )
+        return ComponentSpec(
+            type=spec.type,
+            options={**{k: v for k, v in defaults.items() if k in known}, **spec.options},
+        )
+
+    def _build(self) -> None:
+        cfg = self.config
+        self.init_model_path = self._model_path()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.init_model_path)
+        self.transport: Any = None
+        self.buffer = registry.build("buffer", cfg.buffer, field="buffer")
+        # Validate the backend specs now, before any work: a typo fails at start-up.
+        for kind, spec in (
+            ("policy", cfg.policy),
+            ("generator", cfg.generator),
+            ("weight_transport", self._transport_spec(self.init_model_path)),
+        ):
+            cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
+            if hasattr(cls, "Config"):
+                opts = self._with(kind, spec, model_path=self.init_model_path).options
+                from_dict(cls.Config, opts, path=kind)
+        self.policy: Any = None
+        self.generator: Any = None
+        self.reference: Any = None
+
+        # Data and reward: a built-in task writes its splits and scores responses.
+        task = None
+        if cfg.task is not None:
+            task = registry.build("task", cfg.task, field="task")
+        train_spec, eval_spec = cfg.data.train, cfg.data.eval
+        if task is not None:
+            paths = task.write_splits(self.run_dir / "data")
+            train_spec = train_spec or ComponentSpec(
+                type="jsonl", options={"path": str(paths["train"]), "shuffle": True}
+            )
+            eval_spec = eval_spec or ComponentSpec(
+                type="jsonl", options={"path": str(paths["eval"]), "shuffle": False}
+            )
+        self.train_data = registry.build(
+            "data_source",
+            self._with("data_source", train_spec, seed=cfg.seed),
+            field="data.train",
+            tokenizer=self.tokenizer,
+        )
+        self.eval_data = (
+            registry.build("data_source", eval_spec, field="data.eval", tokenizer=self.tokenizer)
+            if eval_spec is not None
+            else None
+        )
+        self.eval_prompts: list[Prompt] = []
+        if self.eval_data is not None:
+            n = (
+                len(self.eval_data)
+                if cfg.eval.max_prompts is None
+                else min(cfg.eval.max_prompts, len(self.eval_data))
+            )
+            self.eval_prompts = self.eval_data.next_prompts(
+                n
+            )  # the same held-out prompts every time
+        if cfg.reward is not None:
+            reward_fn = registry.build("reward", cfg.reward, field="reward")
+        elif task is not None:
+            reward_fn = task
+        else:
+            raise ConfigError(
+                "reward: set a reward function (e.g. reward: {type: 'my_pkg.rewards:score'})."
+            )
+        registry.check_callable(reward_fn, object, field="reward", n_args=3)
+        self.scorer = Scorer(reward_fn, self.tokenizer)
+        self.filters = [
+            registry.build("filter", f, field=f"rollout.filters[{i}]")
+            for i, f in enumerate(cfg.rollout.filters)
+        ]
+        self.sampler = DynamicSampler(
+            DynamicSampler.Config(
+                batch_size=cfg.rollout.prompts_per_step,
+                over_sampling_factor=cfg.rollout.over_sampling_factor,
+                max_rounds=cfg.rollout.max_rounds,
+            ),
+            self.filters,
+        )
+        self.generate_fn = (
+            registry.build("generate_fn", cfg.rollout.generate_fn, field="rollout.generate_fn")
+            if cfg.rollout.generate_fn is not None
+            else None
+        )
+        if self.generate_fn is not None:
+            registry.check_callable(self.generate_fn, object, field="rollout.generate_fn", n_args=2)
+
+        # Algorithm.
+        alg = cfg.algorithm
+        if alg.advantage in ADVANTAGE_ESTIMATORS:
+            est_cls = ADVANTAGE_ESTIMATORS[alg.advantage]
+            self.advantage_fn = est_cls(
+                from_dict(est_cls.Config, alg.advantage_options, path="algorithm.advantage_options")
+            )
+        else:
+            self.advantage_fn = registry.build(
+                "advantage",
+                ComponentSpec(type=alg.advantage, options=alg.advantage_options),
+                field="algorithm.advantage",
+            )
+        self.loss_config = from_dict(PolicyLoss.Config, alg.loss, path="algorithm.loss")
+        self.loss_fn = PolicyLoss(self.loss_config)
+        if self.loss_config.kl_coef > 0 and not alg.use_reference:
+            raise ConfigError("algorithm.loss.kl_coef > 0 needs algorithm.use_reference: true.")
+
+        self.state: dict[str, Any] = {"sft_step": 0, "rl_step": 0, "eval_at_0": False}
+        self._resume_lines: int | None = None
+        self._resume_from: Path | None = None
+        if self.resume:
+            self._restore()
+
+    def _transport_spec(self, start_path: str) -> ComponentSpec:
+        """The weight transport's spec with run-local defaults: sync directories under the run,
+        the RL start checkpoint as the delta base and as the source of config/tokenizer files."""
+        return self._with(
+            "weight_transport",
+            self.config.weight_transport,
+            directory=str(self.run_dir / "weights"),
+            local_dir=str(self.run_dir / "weights_local"),
+            base_checkpoint=start_path,
+            assets_dir=start_path,
+        )
+
+    def _build_policy(self, model_path: str, **overrides: Any) -> Any:
+        spec = self._with(
+            "policy", self.config.policy, model_path=model_path, seed=self.config.seed
+        )
+        spec = ComponentSpec(
+            type=spec.type, options={**spec.options, "model_path": model_path, **overrides}
+        )
+        return registry.build("policy", spec, field="policy")
+
+    @property
+    def sft_model_path(self) -> Path:
+        """Where the warm-up's final weights go; the RL phase starts from them."""
+        return self.run_dir / "sft_model"
+
+    def _rl_start_path(self) -> str:
+        return str(self.sft_model_path) if self.config.sft.steps > 0 else self.init_model_path
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _trainer_state(self, metrics_lines: int) -> dict[str, Any]:
+        return {
+            "state": dict(self.state),
+            "policy_version": self.policy.version,
+            "train_data": self.train_data.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": capture_rng(),
+            "metrics_lines": metrics_lines,
+            "config": to_dict(self.config),
+        }
+
+    def _save(self, metrics: MetricsLogger) -> None:
+        step_index = self.state["sft_step"] + self.state["rl_step"]
+        write_checkpoint(
+            self.run_dir,
+            step_index,
+            save_policy=lambda d: self.policy.save(d, with_optimizer=True),
+            trainer_state=self._trainer_state(metrics.lines),
+            keep=self.config.checkpoint.keep,
+        )
+
+    def _restore(self) -> None:
+        """Read the newest checkpoint's trainer state; the policy is loaded when its phase starts."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return  # nothing to resume: start fresh (the run was killed before its first checkpoint)
+        st = load_trainer_state(ckpt)
+        self.state = dict(st["state"])
+        self.train_data.load_state_dict(st["train_data"])
+        self.buffer.load_state_dict(st["buffer"])
+        self.sampler.load_state_dict(st["sampler"])
+        self._resume_lines = st["metrics_lines"]
+        self._resume_from = ckpt
+        self._resume_state = st
+
+    def _load_resumed_policy(self) -> None:
+        """Load the checkpointed policy into the freshly built one of the current phase."""
+        if self._resume_from is None:
+            return
+        ckpt, st = self._resume_from, self._resume_state
+        self.policy.load(ckpt / "policy", with_optimizer=True)
+        if self.policy.version != st["policy_version"]:
+            raise RLError(
+                f"{ckpt}: policy version {self.policy.version} != recorded {st['policy_version']}."
+            )
+        restore_rng(st["rng"])
+        self._resume_from = None
+
+    # ----------------------------------------------------------------------------- pieces
+    async def _sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        update = self.transport.publish(self.policy.version, self.policy.named_weights())
+        await self.generator.update_weights(update, self.transport)
+        if self.generator.weight_version != self.policy.version:
+            raise RLError(
+                f"generator serves version {self.generator.weight_version} after an update to "
+                f"{self.policy.version}; the weight transport did not apply it."
+            )
+        return time.perf_counter() - t0
+
+    def _plan(self, rollouts: Sequence[Rollout]) -> tuple[list[int], tuple[int, ...]]:
+        """FLOPs-balanced micro-batch plan (rl-buffer's scheduler) under the token cap: the
+        order to pack the rollouts in and the micro-batch bounds."""
+        plan = schedule_step(
+            rollouts,
+            dp_size=1,
+            max_tokens_per_micro_batch=self.config.rl.max_tokens_per_micro_batch,
+            shape=self.policy.model_shape,
+        )
+        return plan.rank_samples(0), plan.micro_batch_bounds(0)
+
+    def _sft_rollouts(self, prompts: Sequence[Prompt]) -> list[Rollout]:
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for p in prompts:
+            if p.label is None:
+                raise RLError(f"sft: prompt {p.uid} has no label; SFT warm-up needs labelled data.")
+            resp = list(self.tokenizer.encode(str(p.label), add_special_tokens=False)) + (
+                [eos] if eos is not None else []
+            )
+            n = len(resp)
+            out.append(
+                Rollout(
+                    prompt_uid=p.uid,
+                    rollout_id=p.uid,
+                    sample_id=p.uid,
+                    tokens=tuple(p.token_ids) + tuple(resp),
+                    response_start=len(p.token_ids),
+                    loss_mask=(1,) * n,
+                    rollout_logprobs=(0.0,) * n,
+                    versions=(self.policy.version,) * n,
+                )
+            )
+        return out
+
+    def _sft_step(self) -> dict[str, Any]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        prompts = self.train_data.next_prompts(cfg.sft.batch_size)
+        rollouts = self._sft_rollouts(prompts)
+        order, bounds = self._plan(rollouts)
+        batch = pack_rollouts([rollouts[i] for i in order], micro_batch_bounds=bounds)
+        m = self.policy.train_step(batch, SFTLoss())
+        dt = time.perf_counter() - t0
+        self.state["sft_step"] += 1
+        return {
+            "step": self.state["sft_step"],
+            "phase": "sft",
+            "train/loss": m["loss"],
+            "train/grad_norm": m["grad_norm"],
+            "train/entropy": m.get("entropy"),
+            "perf/step_time": dt,
+            "perf/train_tokens_per_s": batch.num_tokens / dt,
+        }
+
+    async def _collect(self, step: int, stats: RolloutStats) -> tuple[list[Group], int, float]:
+        """Generate and score until the dynamic sampler holds ``prompts_per_step`` kept groups
+        (surplus kept groups carry over to the next step), then pass them through the buffer."""
+        cfg = self.config.rollout
+        gen_tokens, gen_time = 0, 0.0
+        round_ = 0
+        while not self.sampler.full:
+            prompts = self.train_data.next_prompts(self.sampler.request_size())
+            t0 = time.perf_counter()
+            groups = await generate_groups(
+                prompts,
+                generator=self.generator,
+                tokenizer=self.tokenizer,
+                sampling=cfg.sampling.to_params(),
+                n_samples=cfg.n_samples,
+                seed_parts=(self.config.seed, "rl", step, round_),
+                policy_version=self.policy.version,
+                generate_fn=self.generate_fn,
+            )
+            gen_time += time.perf_counter() - t0
+            gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
+            await self.scorer.score(groups, stats)
+            self._all_scored.extend(r for g in groups for r in g.rollouts)
+            # Failed rollouts leave their group (groups may be uneven); the filters see the rest.
+            self.sampler.add(filter_groups(groups, (), stats))
+            round_ += 1
+            if round_ >= cfg.max_rounds and not self.sampler.full:
+                raise RLError(
+                    f"rollout.max_rounds: {round_} generation rounds kept only "
+                    f"{len(self.sampler)} of {cfg.prompts_per_step} groups; the filters drop "
+                    "almost everything (see rollout/dropped/*). Relax them or raise max_rounds."
+                )
+        self.buffer.put(self.sampler.pop_batch())
+        taken = self.buffer.take(cfg.prompts_per_step)
+        return taken or [], gen_tokens, gen_time
+
+    def _advantages(self, groups: Sequence[Group]) -> tuple[list[Rollout], list[torch.Tensor]]:
+        rollouts = [r for g in groups for r in g.rollouts]
+        group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
+        inputs = AdvantageInputs(
+            rewards=torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32),
+            group_index=torch.tensor(group_index, dtype=torch.int64),
+            response_mask=[torch.tensor(r.loss_mask, dtype=torch.float32) for r in rollouts],
+        )
+        return rollouts, list(self.advantage_fn(inputs))
+
+    def _rl_batch(self, groups: Sequence[Group]) -> TrainBatch:
+        alg = self.config.algorithm
+        rollouts, adv = self._advantages(groups)
+        order, bounds = self._plan(rollouts)
+        rollouts, adv = [rollouts[i] for i in order], [adv[i] for i in order]
+        batch = pack_rollouts(rollouts, advantages=adv, micro_batch_bounds=bounds)
+        batch.loss_weights = compute_loss_weights(
+            batch.loss_mask,
+            batch.cu_seqlens,
+            mode=alg.aggregation,
+            rollout_ids=[r.rollout_id for r in rollouts],
+            constant=alg.aggregation_constant,
+        )
+        if self.reference is not None:
+            batch.ref_logprobs = self.reference.compute_logprobs(batch).logprobs
+        # One optimizer step per batch: the policy before the step is the current one, so old
+        # log-probs equal the live ones and the extra forward is skipped. Tokens sampled by an
+        # older policy (surplus groups the dynamic sampler carries over, resumed partial
+        # rollouts) differ from it as the behaviour policy; `train/mismatch` measures that and
+        # `algorithm.loss.correction: tis` corrects it (that path needs the real old log-probs).
+        if alg.recompute_old_logprobs or self.loss_config.correction != "none":
+            batch.old_logprobs = self.policy.compute_logprobs(batch).logprobs
+        return batch
+
+    async def _rl_step(self) -> dict[str, Any]:
+        t_step = time.perf_counter()
+        step = self.state["rl_step"] + 1
+        stats = RolloutStats()
+        self._all_scored: list[Rollout] = []
+        groups, gen_tokens, gen_time = await self._collect(step, stats)
+        scored = [r for r in self._all_scored if r.reward is not None]
+        record: dict[str, Any] = {"step": step, "phase": "rl"}
+        rewards = [float(r.reward) for r in scored]
+        record["rollout/reward_mean"] = _mean(rewards)
+        record["rollout/reward_std"] = float(np.std(rewards)) if rewards else float("nan")
+        for key in sorted({k for r in scored for k in r.reward_info} - {"reward"}):
+            record[f"rollout/{key}_mean"] = _mean(
+                [r.reward_info[key] for r in scored if key in r.reward_info]
+            )
+        record["rollout/response_len_mean"] = _mean([r.response_length for r in self._all_scored])
+        record["rollout/truncated_frac"] = _mean(
+            [float(r.status == "truncated") for r in self._all_scored]
+        )
+        record["rollout/groups_kept"] = len(groups)
+        record["rollout/off_policy_frac"] = _mean(
+            [
+                float(min(r.versions) < self.policy.version)
+                for g in groups
+                for r in g.rollouts
+                if r.versions
+            ]
+        )
+        record.update(self.sampler.last_step_metrics)
+        for reason, n in stats.dropped.items():
+            record[f"rollout/dropped/{reason}"] = n
+        for reason, n in stats.failed.items():
+            record[f"rollout/failed/{reason}"] = n
+        record["perf/rollout_tokens_per_s"] = (
+            gen_tokens / gen_time if gen_time > 0 else float("nan")
+        )
+        record["perf/gen_time"] = gen_time
+        if groups:
+            t0 = time.perf_counter()
+            batch = self._rl_batch(groups)
+            m = self.policy.train_step(batch, self.loss_fn)
+            train_time = time.perf_counter() - t0
+            record["train/loss"] = m["loss"]
+            record["train/grad_norm"] = m["grad_norm"]
+            record["train/kl"] = m.get("kl", m.get("ppo_kl"))
+            record["train/entropy"] = m.get("entropy")
+            for k in ("pg_clipfrac", "ppo_kl", "mismatch", "lr"):
+                if k in m:
+                    record[f"train/{k}"] = m[k]
+            record["perf/train_time"] = train_time
+            record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
+            record["perf/sync_time"] = await self._sync_weights()
+        else:  # every group was filtered out: nothing to train on this step
+            record["train/loss"] = None
+        self.state["rl_step"] = step
+        record["perf/step_time"] = time.perf_counter() - t_step
+        return record
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """Sample the held-out prompts and average every reward component."""
+        if not self.eval_prompts:
+            return {}
+        cfg = self.config.eval
+        prompts = self.eval_prompts
+        groups = await generate_groups(
+            prompts,
+            generator=self.generator,
+            tokenizer=self.tokenizer,
+            sampling=cfg.sampling.to_params(),
+            n_samples=cfg.n_samples,
+            seed_parts=(self.config.seed, "eval", step),
+            policy_version=self.policy.version,
+            generate_fn=self.generate_fn,
+        )
+        await self.scorer.score(groups, RolloutStats())
+        rs = [r for g in groups for r in g.rollouts]
+        out = {
+            "eval/reward_mean": _mean(
+                [float(r.reward) if r.reward is not None else 0.0 for r in rs]
+            )
+        }
+        for key in sorted({k for r in rs for k in r.reward_info} - {"reward"}):
+            out[f"eval/{key}_mean"] = _mean([r.reward_info.get(key, 0.0) for r in rs])
+        return out
+
+    # ----------------------------------------------------------------------------- main
+    def run(self) -> list[dict[str, Any]]:
+        """Run to the end (resuming if asked); returns the records written this run."""
+        return asyncio.run(self._run())
+
+    async def _run(self) -> list[dict[str, Any]]:
+        cfg = self.config
+        total = cfg.sft.steps + cfg.rl.steps
+        metrics = MetricsLogger(
+            self.run_dir,
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+            total_steps=total,
+            resume_lines=self._resume_lines,
+        )
+        records = []
+
+        def emit(rec: dict[str, Any]) -> None:
+            records.append(rec)
+            metrics.log(rec, global_step=self.state["sft_step"] + self.state["rl_step"])
+
+        def due() -> bool:
+            every = cfg.checkpoint.every
+            return bool(every) and (self.state["sft_step"] + self.state["rl_step"]) % every == 0
+
+        try:
+            # Phase 1: SFT warm-up, with its own learning rate and optimizer.
+            if self.state["sft_step"] < cfg.sft.steps:
+                overrides = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
+                self.policy = self._build_policy(self.init_model_path, temperature=1.0, **overrides)
+                self._load_resumed_policy()
+                while self.state["sft_step"] < cfg.sft.steps:
+                    emit(self._sft_step())
+                    if due():
+                        self._save(metrics)
+                tmp = self.run_dir / ".tmp-sft_model"
+                self.policy.save(tmp, with_optimizer=False)
+                if self.sft_model_path.exists():
+                    shutil.rmtree(self.sft_model_path)
+                tmp.rename(self.sft_model_path)
+                self.policy = None
+
+            # Phase 2: RL. Policy, generator and reference start from the same weights (version 0).
+            start = self._rl_start_path()
+            temperature = cfg.rollout.sampling.temperature or 1.0
+            self.policy = self._build_policy(start, temperature=temperature)
+            self.generator = registry.build(
+                "generator",
+                self._with("generator", cfg.generator, model_path=start, seed=cfg.seed),
+                field="generator",
+            )
+            if cfg.algorithm.use_reference:
+                self.reference = self._build_policy(start, temperature=temperature)
+            self.transport = registry.build(
+                "weight_transport", self._transport_spec(start), field="weight_transport"
+            )
+            self._load_resumed_policy()
+            if self.generator.weight_version != self.policy.version:
+                await self._sync_weights()
+            if not self.state["eval_at_0"]:
+                rec = {"step": 0, "phase": "rl", **await self.evaluate(0)}
+                self.state["eval_at_0"] = True
+                emit(rec)
+            while self.state["rl_step"] < cfg.rl.steps:
+                rec = await self._rl_step()
+                step = self.state["rl_step"]
+                if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.rl.steps):
+                    rec.update(await self.evaluate(step))
+                emit(rec)
+                if due():
+                    self._save(metrics)
+            self._save(metrics)
+            self.policy.save(self.run_dir / "final_model", with_optimizer=False)
+        finally:
+            metrics.close()
+            if self.generator is not None:
+                await self.generator.close()
+            if self.transport is not None:
+                self.transport.close()
+        return records

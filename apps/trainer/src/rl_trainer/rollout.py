@@ -1,0 +1,208 @@
+"""Turning prompts into scored groups: default single-turn sampling, custom ``GenerateFn``s,
+reward scoring with failure accounting, and group filters."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl_core.errors import RewardError
+from rl_core.interfaces import (
+    GenerateFn,
+    Generator,
+    GroupFilter,
+    RewardFn,
+    RolloutContext,
+    Tokenizer,
+)
+from rl_core.types import (
+    GenerationRequest,
+    GenerationResult,
+    Group,
+    Prompt,
+    Rollout,
+    RolloutStatus,
+    SamplingParams,
+)
+
+__all__ = [
+    "RolloutStats",
+    "Scorer",
+    "derive_seed",
+    "filter_groups",
+    "generate_groups",
+    "rollout_from_result",
+]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from ``parts`` (run seed, phase, step, prompt, sample): sampling does
+    not depend on batch composition or process history, so resumed runs sample identically."""
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+def rollout_from_result(prompt: Prompt, result: GenerationResult, sample_id: str) -> Rollout:
+    """A single-turn rollout from one generation result (token-in/token-out: no re-encoding)."""
+    r = len(result.output_ids)
+    return Rollout(
+        prompt_uid=prompt.uid,
+        rollout_id=sample_id,
+        sample_id=sample_id,
+        tokens=tuple(prompt.token_ids) + tuple(result.output_ids),
+        response_start=len(prompt.token_ids),
+        loss_mask=(1,) * r,
+        rollout_logprobs=tuple(result.output_logprobs),
+        versions=(result.weight_version,) * r,
+        status=result.finish_reason.to_status(),
+    )
+
+
+async def generate_groups(
+    prompts: Sequence[Prompt],
+    *,
+    generator: Generator,
+    tokenizer: Tokenizer,
+    sampling: SamplingParams,
+    n_samples: int,
+    seed_parts: tuple[Any, ...],
+    policy_version: int,
+    generate_fn: GenerateFn | None = None,
+) -> list[Group]:
+    """Sample ``n_samples`` rollouts per prompt.
+
+    The default path sends every request of the step to the generator in one call, so the engine
+    batches them; a custom ``generate_fn`` is called once per prompt, concurrently.
+    """
+    if generate_fn is None:
+        requests = []
+        for i, p in enumerate(prompts):
+            for j in range(n_samples):
+                params = SamplingParams(
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_new_tokens=sampling.max_new_tokens,
+                    stop_token_ids=sampling.stop_token_ids,
+                    seed=derive_seed(*seed_parts, i, j),
+                )
+                requests.append(
+                    GenerationRequest(
+                        request_id=f"{p.uid}/{j}", input_ids=tuple(p.token_ids), sampling=params
+                    )
+                )
+        results = await generator.generate(requests)
+        groups = []
+        for i, p in enumerate(prompts):
+            rs = results[i * n_samples : (i + 1) * n_samples]
+            groups.append(
+                Group(prompt=p, rollouts=[rollout_from_result(p, r, r.request_id) for r in rs])
+            )
+        return groups
+
+    async def one(i: int, p: Prompt) -> Group:
+        ctx = RolloutContext(
+            generator=generator,
+            tokenizer=tokenizer,
+            sampling=SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_new_tokens=sampling.max_new_tokens,
+                stop_token_ids=sampling.stop_token_ids,
+                seed=derive_seed(*seed_parts, i),
+            ),
+            n_samples=n_samples,
+            policy_version=policy_version,
+        )
+        rollouts = await generate_fn(p, ctx)
+        return Group(prompt=p, rollouts=list(rollouts))
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    """Counts of what happened to rollouts and groups in one step."""
+
+    failed: Counter = field(default_factory=Counter)
+    """Failure reason -> rollouts marked failed."""
+    dropped: Counter = field(default_factory=Counter)
+    """Drop reason -> groups dropped."""
+
+
+class Scorer:
+    """Applies a reward function to rollouts: decodes responses, awaits async rewards, and marks
+    a rollout failed (with a counted reason) when the reward raises or is not finite."""
+
+    def __init__(
+        self, reward_fn: RewardFn, tokenizer: Tokenizer, *, reward_key: str = "reward"
+    ) -> None:
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.reward_key = reward_key
+
+    def _to_scalar(self, value: Any, rollout: Rollout) -> tuple[float, dict[str, float]]:
+        if isinstance(value, Mapping):
+            if self.reward_key not in value:
+                raise RewardError(
+                    f"reward for {rollout.sample_id}: the mapping has no {self.reward_key!r} key "
+                    f"(keys: {sorted(value)}); return it or set the reward key."
+                )
+            info = {str(k): float(v) for k, v in value.items()}
+            scalar = info[self.reward_key]
+        else:
+            scalar = float(value)
+            info = {self.reward_key: scalar}
+        if not math.isfinite(scalar):
+            raise RewardError(
+                f"reward for {rollout.sample_id} is {scalar}; rewards must be finite."
+            )
+        return scalar, info
+
+    async def score(self, groups: Sequence[Group], stats: RolloutStats) -> None:
+        """Fill ``reward`` and ``reward_info`` of every rollout of ``groups`` in place."""
+        for g in groups:
+            for r in g.rollouts:
+                if r.status == RolloutStatus.FAILED:
+                    stats.failed[r.metadata.get("failure", "generation")] += 1
+                    continue
+                text = self.tokenizer.decode(list(r.response_ids), skip_special_tokens=True)
+                try:
+                    value = self.reward_fn(g.prompt, text, r)
+                    if inspect.isawaitable(value):
+                        value = await value
+                    r.reward, r.reward_info = self._to_scalar(value, r)
+                except Exception as e:  # a user reward must never crash the step
+                    reason = "reward_error" if not isinstance(e, RewardError) else "reward_invalid"
+                    r.status = RolloutStatus.FAILED
+                    r.metadata["failure"] = f"{reason}: {e!r}"
+                    stats.failed[reason] += 1
+
+
+def filter_groups(
+    groups: Sequence[Group], filters: Sequence[GroupFilter], stats: RolloutStats
+) -> list[Group]:
+    """Drop failed rollouts, then groups with no trainable rollout or rejected by a filter."""
+    kept = []
+    for g in groups:
+        g.rollouts = [r for r in g.rollouts if r.status.is_trainable() and r.reward is not None]
+        if not g.rollouts:
+            stats.dropped["no_valid_rollout"] += 1
+            continue
+        reason = None
+        for f in filters:
+            reason = f(g)
+            if reason:
+                break
+        if reason:
+            stats.dropped[reason] += 1
+            continue
+        kept.append(g)
+    return kept

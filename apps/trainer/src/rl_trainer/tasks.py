@@ -1,0 +1,157 @@
+"""Built-in verifiable tasks for demos and tests: they write their own train/eval split and
+score responses exactly.
+
+- ``reverse``: ``"abcd="`` -> ``"dcba"``; reward = fraction of positions right (exact match 1).
+- ``addition``: ``"12+7="`` -> ``"19"``; reward = fraction of answer digits right.
+
+Both use plain-text prompts (no chat template) so a tiny model spends its capacity on the task.
+A task is a class with a nested ``Config``, registered under the ``rl.tasks`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_core.types import Prompt, Rollout
+
+__all__ = ["AdditionTask", "ReverseTask", "Task", "position_match"]
+
+
+def position_match(response: str, target: str) -> float:
+    """Fraction of positions where ``response`` equals ``target``, over the longer of the two
+    (so extra or missing characters cost). 1.0 only for an exact match."""
+    if not target and not response:
+        return 1.0
+    hits = sum(a == b for a, b in zip(response, target))
+    return hits / max(len(response), len(target))
+
+
+class Task(abc.ABC):
+    """A verifiable task: data splits it generates itself and a reward function."""
+
+    @abc.abstractmethod
+    def examples(self, split: str) -> list[dict[str, Any]]:
+        """The examples of ``split`` ("train" or "eval"): dicts with ``prompt`` and ``label``."""
+
+    @abc.abstractmethod
+    def score(self, response: str, label: Any) -> dict[str, float]:
+        """Reward components; ``reward`` is the one trained on."""
+
+    def write_splits(self, directory: str | Path) -> dict[str, Path]:
+        """Write ``train.jsonl`` and ``eval.jsonl`` (idempotent) and return their paths."""
+        out = {}
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        for split in ("train", "eval"):
+            p = d / f"{split}.jsonl"
+            if not p.exists():
+                tmp = p.with_suffix(".tmp")
+                with tmp.open("w") as f:
+                    for ex in self.examples(split):
+                        f.write(json.dumps(ex) + "\n")
+                tmp.replace(p)
+            out[split] = p
+        return out
+
+    def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> dict[str, float]:
+        """RewardFn: score the decoded response against the prompt's label."""
+        return self.score(response.strip(), prompt.label)
+
+
+def _split(seen_eval: set[str], make, n_train: int, n_eval: int, seed: int) -> dict[str, list]:
+    rng = random.Random(seed)
+    evals: list[dict[str, Any]] = []
+    while len(evals) < n_eval:
+        ex = make(rng)
+        if ex["prompt"] not in seen_eval:
+            seen_eval.add(ex["prompt"])
+            evals.append(ex)
+    train: list[dict[str, Any]] = []
+    while len(train) < n_train:
+        ex = make(rng)
+        if ex["prompt"] not in seen_eval:  # held-out prompts never appear in training
+            train.append(ex)
+    return {"train": train, "eval": evals}
+
+
+class ReverseTask(Task):
+    """Reverse a short string of letters: ``"abcd="`` -> ``"dcba"``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of the reverse task."""
+
+        n_train: int = 4000
+        """Training examples."""
+        n_eval: int = 128
+        """Held-out examples (never in the training split)."""
+        min_len: int = 3
+        """Shortest string."""
+        max_len: int = 6
+        """Longest string."""
+        alphabet: str = "abcdefghij"
+        """Letters to draw from."""
+        seed: int = 1234
+        """Seed of the data (independent of the run seed, so splits are stable)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        c = config
+
+        def make(rng: random.Random) -> dict[str, Any]:
+            n = rng.randint(c.min_len, c.max_len)
+            s = "".join(rng.choice(c.alphabet) for _ in range(n))
+            return {"prompt": f"{s}=", "label": s[::-1]}
+
+        self._splits = _split(set(), make, c.n_train, c.n_eval, c.seed)
+
+    def examples(self, split: str) -> list[dict[str, Any]]:
+        """Examples of ``split``."""
+        return self._splits[split]
+
+    def score(self, response: str, label: Any) -> dict[str, float]:
+        """``reward``: position match; ``exact``: 1 for an exact answer."""
+        return {"reward": position_match(response, str(label)), "exact": float(response == label)}
+
+
+class AdditionTask(Task):
+    """Add two numbers: ``"12+7="`` -> ``"19"``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of the addition task."""
+
+        n_train: int = 4000
+        """Training examples."""
+        n_eval: int = 128
+        """Held-out examples."""
+        max_digits: int = 2
+        """Digits per operand at most."""
+        seed: int = 1234
+        """Seed of the data."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        hi = 10**config.max_digits - 1
+
+        def make(rng: random.Random) -> dict[str, Any]:
+            a, b = rng.randint(0, hi), rng.randint(0, hi)
+            return {"prompt": f"{a}+{b}=", "label": str(a + b)}
+
+        self._splits = _split(set(), make, config.n_train, config.n_eval, config.seed)
+
+    def examples(self, split: str) -> list[dict[str, Any]]:
+        """Examples of ``split``."""
+        return self._splits[split]
+
+    def score(self, response: str, label: Any) -> dict[str, float]:
+        """``reward``: digit position match; ``exact``: 1 for the right sum."""
+        return {
+            "reward": position_match(response, str(label)),
+            "exact": float(response == str(label)),
+        }

@@ -1,0 +1,93 @@
+"""Every public module, class, function and method of the packages has a docstring, and the
+rl-core surface is pinned."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+PACKAGES = ["rl_core", "rl_buffer", "rl_weightsync", "rl_trainer"]
+
+
+def _modules(package: str):
+    pkg = importlib.import_module(package)
+    yield pkg
+    for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{package}."):
+        if any(part.startswith("_") for part in info.name.split(".")[1:]):
+            continue
+        yield importlib.import_module(info.name)
+
+
+def _undocumented(module) -> list[str]:
+    missing = []
+    if not (module.__doc__ or "").strip():
+        missing.append(module.__name__)
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            if not (obj.__doc__ or "").strip():
+                missing.append(f"{module.__name__}.{name}")
+        if inspect.isclass(obj):
+            for mname, member in vars(obj).items():
+                if mname.startswith("_") or not (
+                    inspect.isfunction(member) or isinstance(member, property)
+                ):
+                    continue
+                doc = member.__doc__ if not isinstance(member, property) else member.fget.__doc__
+                if not (doc or "").strip() and not any(
+                    (getattr(getattr(base, mname, None), "__doc__", None) or "").strip()
+                    for base in obj.__mro__[1:]
+                ):
+                    missing.append(f"{module.__name__}.{name}.{mname}")
+    return missing
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_public_names_have_docstrings(package):
+    missing = [m for mod in _modules(package) for m in _undocumented(mod)]
+    assert not missing, "public names without a docstring:\n" + "\n".join(missing)
+
+
+def test_rl_core_surface_is_pinned():
+    import rl_core.interfaces
+    import rl_core.testing
+    import rl_core.types
+
+    assert set(rl_core.interfaces.__all__) == {
+        "AdvantageFn",
+        "Buffer",
+        "DataSource",
+        "GenerateFn",
+        "Generator",
+        "GroupFilter",
+        "GroupRewardFn",
+        "LossFn",
+        "Policy",
+        "RewardFn",
+        "RolloutContext",
+        "Tokenizer",
+        "WeightTarget",
+        "WeightTransport",
+    }
+    assert set(rl_core.types.__all__) == {
+        "AdvantageInputs",
+        "FinishReason",
+        "GenerationRequest",
+        "GenerationResult",
+        "Group",
+        "LogProbOutput",
+        "LossOutput",
+        "ModelShape",
+        "Prompt",
+        "Rollout",
+        "RolloutStatus",
+        "SamplingParams",
+        "TrainBatch",
+        "WeightUpdate",
+    }
+    for name in rl_core.testing.__all__:
+        assert getattr(rl_core.testing, name) is not None
