@@ -20,16 +20,16 @@ def _records(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
-def test_disk_transports_match_in_process(tiny_recipe, cli):
+def test_every_transport_matches_in_process(tiny_recipe, cli):
     runs = {}
-    for transport in ("inprocess", "disk_full", "disk_delta"):
+    for transport in ("inprocess", "disk_full", "disk_delta", "broadcast"):
         recipe, run_dir = tiny_recipe(transport, rl_steps=4)
         _run(cli, recipe, transport)
         runs[transport] = run_dir
     base = _records(runs["inprocess"])
     assert any(r.get("rollout/reward_mean") for r in base)
     ref = load_file(str(runs["inprocess"] / "final_model" / "model.safetensors"))
-    for transport in ("disk_full", "disk_delta"):
+    for transport in ("disk_full", "disk_delta", "broadcast"):
         assert _records(runs[transport]) == base, transport
         w = load_file(str(runs[transport] / "final_model" / "model.safetensors"))
         assert all(torch.equal(w[k], ref[k]) for k in ref), transport

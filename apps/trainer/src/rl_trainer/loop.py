@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import random
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,12 @@ from rl_trainer.metrics import MetricsLogger
 from rl_trainer.rollout import RolloutStats, Scorer, filter_groups, generate_groups
 
 __all__ = ["Trainer"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -107,6 +114,7 @@ class Trainer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.init_model_path)
         self.transport: Any = None
+        self.receiver: Any = None
         self.buffer = registry.build("buffer", cfg.buffer, field="buffer")
         # Validate the backend specs now, before any work: a typo fails at start-up.
         for kind, spec in (
@@ -220,7 +228,43 @@ class Trainer:
             local_dir=str(self.run_dir / "weights_local"),
             base_checkpoint=start_path,
             assets_dir=start_path,
+            rank=0,
+            world_size=2,
         )
+
+    def _build_transports(self, start_path: str) -> tuple[Any, Any]:
+        """The sender side and the generator's receiver side of the weight transport.
+
+        File and in-process transports serve both sides with one object. A collective transport
+        (its ``Config`` has ``rank``/``world_size``) gets a sender at rank 0 and, in the local
+        runtime, a receiver at rank 1 in the generator's thread, on a free loopback port unless
+        the recipe names one.
+        """
+        spec = self._transport_spec(start_path)
+        cls = registry.resolve(
+            registry.GROUPS["weight_transport"], spec.type, field="weight_transport.type"
+        )
+        fields = (
+            {f.name for f in dataclasses.fields(cls.Config)} if hasattr(cls, "Config") else set()
+        )
+        if not {"rank", "world_size"} <= fields:
+            sender = registry.build("weight_transport", spec, field="weight_transport")
+            return sender, sender
+        opts = dict(spec.options)
+        if "port" in fields and "port" not in opts:
+            opts["port"] = _free_port()
+        opts["world_size"] = 2
+        sender = registry.build(
+            "weight_transport",
+            ComponentSpec(type=spec.type, options={**opts, "rank": 0}),
+            field="weight_transport",
+        )
+        receiver = registry.build(
+            "weight_transport",
+            ComponentSpec(type=spec.type, options={**opts, "rank": 1}),
+            field="weight_transport",
+        )
+        return sender, receiver
 
     def _build_policy(self, model_path: str, **overrides: Any) -> Any:
         spec = self._with(
@@ -293,7 +337,7 @@ class Trainer:
     async def _sync_weights(self) -> float:
         t0 = time.perf_counter()
         update = self.transport.publish(self.policy.version, self.policy.named_weights())
-        await self.generator.update_weights(update, self.transport)
+        await self.generator.update_weights(update, self.receiver)
         if self.generator.weight_version != self.policy.version:
             raise RLError(
                 f"generator serves version {self.generator.weight_version} after an update to "
@@ -564,9 +608,7 @@ class Trainer:
             )
             if cfg.algorithm.use_reference:
                 self.reference = self._build_policy(start, temperature=temperature)
-            self.transport = registry.build(
-                "weight_transport", self._transport_spec(start), field="weight_transport"
-            )
+            self.transport, self.receiver = self._build_transports(start)
             self._load_resumed_policy()
             if self.generator.weight_version != self.policy.version:
                 await self._sync_weights()
@@ -590,4 +632,6 @@ class Trainer:
                 await self.generator.close()
             if self.transport is not None:
                 self.transport.close()
+            if self.receiver is not None and self.receiver is not self.transport:
+                self.receiver.close()
         return records
