@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from rl_buffer._serde import group_from_dict, group_to_dict, prompt_from_dict, prompt_to_dict
 from rl_core.errors import CheckpointError, ConfigError
 from rl_core.interfaces import Buffer
+from rl_core.serde import group_from_dict, group_to_dict, prompt_from_dict, prompt_to_dict
 from rl_core.types import Group, Prompt, RolloutStatus
 
 __all__ = ["GroupBuffer"]

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rl_buffer._serde import group_from_dict, group_to_dict
 from rl_buffer.filters import apply_filters
 from rl_core.errors import ConfigError, RLError
 from rl_core.interfaces import GroupFilter
+from rl_core.serde import group_from_dict, group_to_dict
 from rl_core.types import Group
 
 __all__ = ["DynamicSampler", "SamplingExhaustedError"]

@@ -27,6 +27,7 @@ import torch
 
 from rl_core.errors import CheckpointError
 from rl_core.interfaces import Buffer
+from rl_core.serde import group_from_dict, group_to_dict
 from rl_core.testing._base import ConformanceSuite
 from rl_core.types import Group, Prompt, Rollout, RolloutStatus
 
@@ -79,75 +80,6 @@ def make_group(
             )
         )
     return Group(prompt=prompt, rollouts=rollouts)
-
-
-def _prompt_to_dict(p: Prompt) -> dict[str, Any]:
-    return {
-        "uid": p.uid,
-        "input": p.input,
-        "token_ids": list(p.token_ids),
-        "label": p.label,
-        "metadata": p.metadata,
-    }
-
-
-def _prompt_from_dict(d: Mapping[str, Any]) -> Prompt:
-    return Prompt(
-        uid=d["uid"],
-        input=d["input"],
-        token_ids=tuple(d["token_ids"]),
-        label=d["label"],
-        metadata=dict(d["metadata"]),
-    )
-
-
-def group_to_dict(g: Group) -> dict[str, Any]:
-    """A group as plain data (lists, dicts, str, numbers): loadable with
-    ``torch.load(weights_only=True)`` and JSON-serialisable if labels and metadata are."""
-    return {
-        "prompt": _prompt_to_dict(g.prompt),
-        "rollouts": [
-            {
-                "prompt_uid": r.prompt_uid,
-                "rollout_id": r.rollout_id,
-                "sample_id": r.sample_id,
-                "tokens": list(r.tokens),
-                "response_start": r.response_start,
-                "loss_mask": list(r.loss_mask),
-                "rollout_logprobs": list(r.rollout_logprobs),
-                "versions": list(r.versions),
-                "status": str(r.status),
-                "reward": r.reward,
-                "reward_info": dict(r.reward_info),
-                "metadata": r.metadata,
-            }
-            for r in g.rollouts
-        ],
-    }
-
-
-def group_from_dict(d: Mapping[str, Any]) -> Group:
-    """Inverse of :func:`group_to_dict`."""
-    return Group(
-        prompt=_prompt_from_dict(d["prompt"]),
-        rollouts=[
-            Rollout(
-                prompt_uid=r["prompt_uid"],
-                rollout_id=r["rollout_id"],
-                sample_id=r["sample_id"],
-                tokens=tuple(r["tokens"]),
-                response_start=int(r["response_start"]),
-                loss_mask=tuple(r["loss_mask"]),
-                rollout_logprobs=tuple(float(x) for x in r["rollout_logprobs"]),
-                versions=tuple(r["versions"]),
-                status=RolloutStatus(r["status"]),
-                reward=r["reward"],
-                reward_info=dict(r["reward_info"]),
-                metadata=dict(r["metadata"]),
-            )
-            for r in d["rollouts"]
-        ],
-    )
 
 
 class FakeBuffer(Buffer):

@@ -1,7 +1,8 @@
 """Prompts, rollouts and groups as plain data (lists, dicts, str, numbers).
 
 The result loads with ``torch.load(weights_only=True)`` and is JSON-serialisable when labels and
-metadata are. Used by buffer checkpoints.
+metadata are. Used by buffer and sampler checkpoints, and by anything that ships groups
+between processes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from rl_core.types import Group, Prompt, Rollout, RolloutStatus
+
+__all__ = [
+    "group_from_dict",
+    "group_to_dict",
+    "prompt_from_dict",
+    "prompt_to_dict",
+    "rollout_from_dict",
+    "rollout_to_dict",
+]
 
 
 def prompt_to_dict(p: Prompt) -> dict[str, Any]:
