@@ -37,7 +37,7 @@ from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss, SFTLoss, comput
 from rl_core.batching import pack_rollouts
 from rl_core.config import ComponentSpec, from_dict, to_dict
 from rl_core.errors import ConfigError, RLError
-from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, TrainBatch
+from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -409,15 +409,11 @@ class Trainer:
         while not self.sampler.full:
             prompts = self.train_data.next_prompts(self.sampler.request_size())
             t0 = time.perf_counter()
-            groups = await generate_groups(
+            groups = await self._generate(
                 prompts,
-                generator=self.generator,
-                tokenizer=self.tokenizer,
-                sampling=cfg.sampling.to_params(),
-                n_samples=cfg.n_samples,
-                seed_parts=(self.config.seed, "rl", step, round_),
-                policy_version=self.policy.version,
-                generate_fn=self.generate_fn,
+                cfg.sampling.to_params(),
+                cfg.n_samples,
+                (self.config.seed, "rl", step, round_),
             )
             gen_time += time.perf_counter() - t0
             gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
@@ -528,21 +524,33 @@ class Trainer:
         record["perf/step_time"] = time.perf_counter() - t_step
         return record
 
+    async def _generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams,
+        n_samples: int,
+        seed_parts: tuple[Any, ...],
+    ) -> list[Group]:
+        """Sample ``n_samples`` rollouts per prompt on the current generator."""
+        return await generate_groups(
+            prompts,
+            generator=self.generator,
+            tokenizer=self.tokenizer,
+            sampling=sampling,
+            n_samples=n_samples,
+            seed_parts=seed_parts,
+            policy_version=self.policy.version,
+            generate_fn=self.generate_fn,
+        )
+
     async def evaluate(self, step: int) -> dict[str, float]:
         """Sample the held-out prompts and average every reward component."""
         if not self.eval_prompts:
             return {}
         cfg = self.config.eval
         prompts = self.eval_prompts
-        groups = await generate_groups(
-            prompts,
-            generator=self.generator,
-            tokenizer=self.tokenizer,
-            sampling=cfg.sampling.to_params(),
-            n_samples=cfg.n_samples,
-            seed_parts=(self.config.seed, "eval", step),
-            policy_version=self.policy.version,
-            generate_fn=self.generate_fn,
+        groups = await self._generate(
+            prompts, cfg.sampling.to_params(), cfg.n_samples, (self.config.seed, "eval", step)
         )
         await self.scorer.score(groups, RolloutStats())
         rs = [r for g in groups for r in g.rollouts]

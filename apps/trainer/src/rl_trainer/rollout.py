@@ -4,6 +4,7 @@ reward scoring with failure accounting, and group filters."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import inspect
 import math
@@ -84,14 +85,7 @@ async def generate_groups(
         requests = []
         for i, p in enumerate(prompts):
             for j in range(n_samples):
-                params = SamplingParams(
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k,
-                    max_new_tokens=sampling.max_new_tokens,
-                    stop_token_ids=sampling.stop_token_ids,
-                    seed=derive_seed(*seed_parts, i, j),
-                )
+                params = dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i, j))
                 requests.append(
                     GenerationRequest(
                         request_id=f"{p.uid}/{j}", input_ids=tuple(p.token_ids), sampling=params
@@ -110,14 +104,7 @@ async def generate_groups(
         ctx = RolloutContext(
             generator=generator,
             tokenizer=tokenizer,
-            sampling=SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                max_new_tokens=sampling.max_new_tokens,
-                stop_token_ids=sampling.stop_token_ids,
-                seed=derive_seed(*seed_parts, i),
-            ),
+            sampling=dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i)),
             n_samples=n_samples,
             policy_version=policy_version,
         )
