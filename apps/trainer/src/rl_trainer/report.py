@@ -27,14 +27,29 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run)
     out_path = Path(out) if out else run / "report.png"
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 3 * len(PANELS)), sharex=True)
+
+    def series(key: str, phase: str | None = None) -> tuple[list[int], list[float]]:
+        pts = [
+            (i, float(r[key]))
+            for i, r in enumerate(records)
+            if isinstance(r.get(key), int | float) and (phase is None or r.get("phase") == phase)
+        ]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
     for ax, (title, keys) in zip(axes, PANELS):
         for key in keys:
-            xs, ys = [], []
-            for i, r in enumerate(records):
-                v = r.get(key)
-                if isinstance(v, int | float):
-                    xs.append(i)
-                    ys.append(v)
+            if key == "train/loss":
+                # SFT and RL losses live on different scales: RL on its own axis.
+                xs, ys = series(key, "sft")
+                if xs:
+                    ax.plot(xs, ys, label="train/loss (sft)", color="tab:grey")
+                xs, ys = series(key, "rl")
+                if xs:
+                    twin = ax.twinx()
+                    twin.plot(xs, ys, label="train/loss (rl, right axis)", color="tab:blue")
+                    twin.legend(fontsize=8, loc="upper center")
+                continue
+            xs, ys = series(key)
             if xs:
                 ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=key)
         sft_end = sum(1 for r in records if r.get("phase") == "sft")
