@@ -28,9 +28,8 @@ def _undocumented(module) -> list[str]:
     for name, obj in vars(module).items():
         if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
             continue
-        if inspect.isclass(obj) or inspect.isfunction(obj):
-            if not (obj.__doc__ or "").strip():
-                missing.append(f"{module.__name__}.{name}")
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and not (obj.__doc__ or "").strip():
+            missing.append(f"{module.__name__}.{name}")
         if inspect.isclass(obj):
             for mname, member in vars(obj).items():
                 if mname.startswith("_") or not (
