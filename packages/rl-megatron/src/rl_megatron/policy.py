@@ -1,0 +1,947 @@
+"""A :class:`~rl_core.interfaces.Policy` on megatron-core: tensor, pipeline and data parallel.
+
+Every rank of the job builds the policy with the same config and calls the same methods in the
+same order (they are collective)::
+
+    # torchrun --nproc-per-node 4 train.py   (or any launcher that sets RANK, WORLD_SIZE, ...)
+    policy = MegatronPolicy(MegatronPolicy.Config(model_path="runs/tiny", tp_size=2, lr=1e-5))
+    batch = my_shard_of_the_step(policy.layout.dp_rank)       # a TrainBatch per DP rank
+    out = policy.compute_logprobs(batch, with_entropy=True)   # [T] on every rank of the DP group
+    metrics = policy.train_step(batch, loss_fn)               # summed over micro-batches and DP
+    weights = dict(policy.named_weights())                    # full HF tensors on every rank
+
+Ranks of one tensor-parallel group and of one pipeline must get the same batch; data-parallel
+ranks get different batches whose ``loss_weights`` were computed over the whole step, because
+gradients are *summed* across data-parallel ranks (the loss of a step is ``sum_t x_t w_t`` over
+all ranks).
+
+How it runs: the model is a Megatron ``GPTModel`` (local layer spec) built from the Hugging Face
+``config.json`` (:mod:`rl_megatron.convert`), wrapped in Megatron's ``DistributedDataParallel``
+and trained with ``get_megatron_optimizer`` (Adam with decoupled weight decay, optionally the
+distributed optimizer). Each micro-batch of a packed :class:`~rl_core.types.TrainBatch` is run
+padded, one sequence per row (``[N, L]``, causal attention; the padding sits after each row's
+tokens so no valid token attends to it): megatron-core's local attention has no packed
+(``thd``) path, and padded rows are exact. Log-probs and entropy come from the vocabulary-parallel
+logits (:mod:`rl_megatron.logprobs`); the full vocabulary is never gathered. With
+``pp_size > 1`` micro-batches run through Megatron's 1F1B schedule (shapes exchanged per
+micro-batch); the loss function runs on the last stage only, and log-probs and metrics are
+broadcast from it so every rank returns the same values.
+
+Tensor-name legend: ``T`` packed tokens, ``N`` sequences, ``L`` longest sequence, ``S`` scored
+positions, ``V`` this rank's vocabulary slice.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
+from rl_core.interfaces import LossFn, Policy
+from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_megatron.convert import (
+    HFWeightMap,
+    WeightEntry,
+    padded_vocab_size,
+    split_megatron_args,
+    transformer_config_from_hf,
+)
+from rl_megatron.logprobs import vocab_parallel_logprobs
+from rl_megatron.parallel import ParallelLayout, init_parallel
+
+__all__ = ["MegatronPolicy"]
+
+STATE_FILE = "rl_policy_state.pt"
+"""File (next to the HF weights) holding version, schedule position and layout; written last."""
+OPTIM_DIR = "megatron_optimizer"
+"""Sub-directory with one optimizer-state file per rank (valid for the layout it was saved at)."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class MegatronPolicy(Policy):
+    """A trainable Llama / Qwen2 / Qwen3 causal LM on megatron-core (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`MegatronPolicy`."""
+
+        model_path: str
+        """Hugging Face model directory (``config.json``, safetensors weights, tokenizer)."""
+        lr: float = 1e-5
+        """Peak learning rate of Adam (decoupled weight decay)."""
+        weight_decay: float = 0.0
+        """Decoupled weight decay; Megatron exempts biases and norm weights from it."""
+        adam_beta1: float = 0.9
+        """Adam beta1."""
+        adam_beta2: float = 0.999
+        """Adam beta2."""
+        adam_eps: float = 1e-8
+        """Adam epsilon."""
+        grad_clip: float = 1.0
+        """Max global gradient norm; 0 turns clipping off (the norm is still reported)."""
+        warmup_steps: int = 0
+        """Linear warmup: applied update ``s`` (0-based) uses ``lr * min(1, (s + 1) /
+        warmup_steps)``; constant afterwards (as ``HFPolicy``)."""
+        temperature: float = 1.0
+        """Logits are divided by it before log-softmax; set it to the sampling temperature."""
+        tp_size: int = 1
+        """Tensor-parallel size; must divide the key/value heads."""
+        pp_size: int = 1
+        """Pipeline-parallel size; must divide the number of layers (even split)."""
+        dp_size: int = 0
+        """Data-parallel size; 0 derives it as world size / (tp_size * pp_size), any other
+        value must equal that."""
+        use_distributed_optimizer: bool = False
+        """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+        dtype: Literal["float32", "bfloat16"] = "float32"
+        """Parameter dtype; ``bfloat16`` (fp32 main weights in the optimizer) needs a GPU."""
+        make_vocab_size_divisible_by: int = 128
+        """The vocabulary is padded to a multiple of this times ``tp_size`` (padding is masked
+        out of every softmax and trimmed from exported weights)."""
+        megatron_args: dict[str, Any] = field(default_factory=dict)
+        """Megatron-native options, each a field of megatron-core's ``TransformerConfig``,
+        ``DistributedDataParallelConfig`` or ``OptimizerConfig`` (e.g.
+        ``{"recompute_granularity": "selective"}``); validated when the policy is built.
+        Architecture fields come from ``config.json`` and are refused here."""
+        seed: int = 0
+        """Seed of Megatron's model-parallel RNG tracker."""
+
+        def __post_init__(self) -> None:
+            if self.lr < 0:
+                raise ConfigError(f"policy.lr: must be >= 0, got {self.lr}.")
+            if self.grad_clip < 0:
+                raise ConfigError(
+                    f"policy.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}."
+                )
+            if self.warmup_steps < 0:
+                raise ConfigError(f"policy.warmup_steps: must be >= 0, got {self.warmup_steps}.")
+            if not self.temperature > 0:
+                raise ConfigError(
+                    f"policy.temperature: must be > 0, got {self.temperature}; use the sampling "
+                    "temperature (1.0 for greedy rollouts)."
+                )
+            if self.tp_size < 1:
+                raise ConfigError(f"policy.tp_size: must be >= 1, got {self.tp_size}.")
+            if self.pp_size < 1:
+                raise ConfigError(f"policy.pp_size: must be >= 1, got {self.pp_size}.")
+            if self.dp_size < 0:
+                raise ConfigError(f"policy.dp_size: must be >= 0 (0 = derive), got {self.dp_size}.")
+            if self.dtype not in ("float32", "bfloat16"):
+                raise ConfigError(f"policy.dtype: {self.dtype!r} is not 'float32' or 'bfloat16'.")
+            if self.make_vocab_size_divisible_by < 1:
+                raise ConfigError(
+                    "policy.make_vocab_size_divisible_by: must be >= 1, got "
+                    f"{self.make_vocab_size_divisible_by}."
+                )
+            if not isinstance(self.megatron_args, dict):
+                raise ConfigError(
+                    f"policy.megatron_args: expected a mapping of Megatron option names to values, "
+                    f"got {type(self.megatron_args).__name__}."
+                )
+
+    supports_offload: ClassVar[bool] = False
+    """``offload``/``onload`` are no-ops in this version."""
+
+    def __init__(self, config: Config) -> None:
+        """Initialise the process groups, build the model from ``config.model_path``, load its
+        weights into this rank's shards, and build DDP and the optimizer (collective).
+
+        Raises:
+            ConfigError: a bad path, an unsupported model, a bad layout or Megatron option.
+        """
+        from transformers import AutoConfig
+
+        self.config = config
+        """The settings this policy was built from (read-only)."""
+        path = Path(config.model_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"policy.model_path: {str(path)!r} has no config.json; point it at a Hugging Face "
+                "model directory (e.g. one written by rl_core.reference.build_tiny_model)."
+            )
+        if config.dtype == "bfloat16" and not torch.cuda.is_available():
+            raise ConfigError(
+                "policy.dtype: 'bfloat16' needs a CUDA device (Megatron's mixed-precision "
+                "optimizer is GPU-only); use 'float32' on CPU."
+            )
+        split = split_megatron_args(config.megatron_args)
+        self.layout: ParallelLayout = init_parallel(
+            config.tp_size, config.pp_size, config.dp_size or None, config.seed
+        )
+        """This rank's place in the tensor/pipeline/data-parallel layout."""
+        self.hf_config = AutoConfig.from_pretrained(str(path))
+        """The Hugging Face model config the Megatron model was built from."""
+        self._params_dtype = getattr(torch, config.dtype)
+        self.tconfig, gpt_kwargs = transformer_config_from_hf(
+            self.hf_config,
+            tp_size=config.tp_size,
+            pp_size=config.pp_size,
+            params_dtype=self._params_dtype,
+            overrides=split["transformer"],
+        )
+        num_layers = int(self.tconfig.num_layers)
+        if num_layers % config.pp_size:
+            raise ConfigError(
+                f"policy.pp_size: {config.pp_size} does not divide the {num_layers} layers of "
+                "config.json; pick a pp_size that divides num_hidden_layers."
+            )
+        self._layers_per_stage = num_layers // config.pp_size
+        self._vocab = gpt_kwargs["vocab_size"]
+        self._padded_vocab = padded_vocab_size(
+            self._vocab, config.tp_size, config.make_vocab_size_divisible_by
+        )
+        self.tokenizer = self._load_tokenizer(path)
+        """The tokenizer saved with the model (``AutoTokenizer`` of ``model_path``)."""
+        self.module = self._build_model(gpt_kwargs)
+        """The unwrapped Megatron ``GPTModel`` of this rank."""
+        layer_numbers = {
+            i: int(layer.layer_number) - 1 for i, layer in enumerate(self.module.decoder.layers)
+        }
+        self.weight_map = HFWeightMap(
+            self.hf_config,
+            layers=layer_numbers,
+            pre_process=self.module.pre_process,
+            post_process=self.module.post_process,
+            padded_vocab=self._padded_vocab,
+        )
+        """The HF <-> Megatron weight mapping of this rank's stage."""
+        self._global_map = HFWeightMap(
+            self.hf_config,
+            layers={i: i for i in range(num_layers)},
+            pre_process=True,
+            post_process=True,
+            padded_vocab=self._padded_vocab,
+        )
+        self._params = dict(self.module.named_parameters())
+        self._check_param_coverage()
+        self._mark_tensor_parallel_params()
+        self._freeze_padding_embedding()
+        self._load_hf_dir(path, error=ConfigError)
+        self._build_ddp_and_optimizer(split)
+        self._version = 0
+        self._applied_steps = 0
+
+    # ------------------------------------------------------------------ construction
+
+    def _load_tokenizer(self, path: Path) -> Any:
+        from transformers import AutoTokenizer
+
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ConfigError(
+                f"policy.model_path: {str(path)!r} has no tokenizer files "
+                f"({', '.join(_TOKENIZER_FILES)}); save the tokenizer next to the model."
+            )
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if len(tokenizer) > self._vocab:
+            raise ConfigError(
+                f"policy.model_path: the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but "
+                f"the model's vocabulary has {self._vocab}; they do not belong together."
+            )
+        return tokenizer
+
+    def _build_model(self, gpt_kwargs: dict[str, Any]) -> Any:
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=bool(self.tconfig.qk_layernorm)
+        )
+        with torch.random.fork_rng(devices=[]):
+            model = GPTModel(
+                config=self.tconfig,
+                transformer_layer_spec=spec,
+                vocab_size=self._padded_vocab,
+                max_sequence_length=gpt_kwargs["max_sequence_length"],
+                pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(),
+                parallel_output=True,
+                share_embeddings_and_output_weights=gpt_kwargs[
+                    "share_embeddings_and_output_weights"
+                ],
+                position_embedding_type=gpt_kwargs["position_embedding_type"],
+                rotary_base=gpt_kwargs["rotary_base"],
+            )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        return model
+
+    def _mark_tensor_parallel_params(self) -> None:
+        """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes.
+
+        megatron-core 0.16 sets them only while initialising weights; the model is built with
+        ``perform_initialization=False`` (the HF weights overwrite them anyway), and without the
+        attributes the gradient norm counts only TP rank 0's shards.
+        """
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        for entry in self.weight_map.entries:
+            dim = self.weight_map.gather_dim(entry)
+            param = self._params[entry.mcore_name]
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(param, attr):
+                    delattr(param, attr)
+            set_tensor_model_parallel_attributes(
+                param, dim is not None, -1 if dim is None else dim, 1
+            )
+
+    def _freeze_padding_embedding(self) -> None:
+        """Match ``nn.Embedding(padding_idx=pad_token_id)`` of the HF model: the lookup of the
+        pad token passes no gradient to its embedding row (the LM head still does when tied)."""
+        pad = getattr(self.hf_config.get_text_config(), "pad_token_id", None)
+        if pad is None or not self.module.pre_process:
+            return
+
+        def block_pad_gradient(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+            input_ids = args[0]
+            is_pad = (input_ids == pad).unsqueeze(-1)
+            if input_ids.shape[:2] != output.shape[:2]:  # [s, b, h] layout
+                is_pad = is_pad.transpose(0, 1)
+            return torch.where(is_pad, output.detach(), output)
+
+        self.module.embedding.word_embeddings.register_forward_hook(block_pad_gradient)
+
+    def _check_param_coverage(self) -> None:
+        mapped = {e.mcore_name for e in self.weight_map.entries}
+        unmapped = sorted(set(self._params) - mapped)
+        if unmapped:
+            raise ConfigError(
+                f"policy.megatron_args: the Megatron model has parameters {unmapped[:3]} that the "
+                "HF converter does not map; an option changed the architecture, remove it."
+            )
+
+    def _build_ddp_and_optimizer(self, split: dict[str, dict[str, Any]]) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
+        ddp_kwargs: dict[str, Any] = {
+            "grad_reduce_in_fp32": True,
+            "overlap_grad_reduce": False,
+            "use_distributed_optimizer": cfg.use_distributed_optimizer,
+            **split["ddp"],
+        }
+        try:
+            ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
+            self.model = DistributedDataParallel(
+                config=self.tconfig, ddp_config=ddp_config, module=self.module
+            )
+            """The DDP-wrapped model (what forward and backward run on)."""
+            opt_kwargs: dict[str, Any] = {
+                "optimizer": "adam",
+                "lr": cfg.lr,
+                "weight_decay": cfg.weight_decay,
+                "adam_beta1": cfg.adam_beta1,
+                "adam_beta2": cfg.adam_beta2,
+                "adam_eps": cfg.adam_eps,
+                "clip_grad": cfg.grad_clip,
+                "params_dtype": self._params_dtype,
+                "bf16": self._params_dtype == torch.bfloat16,
+                "use_distributed_optimizer": cfg.use_distributed_optimizer,
+                **split["optimizer"],
+            }
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [self.model])
+            """The Megatron optimizer (a ``ChainedOptimizer`` over Adam)."""
+        except (AssertionError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"policy.megatron_args: megatron-core rejects the DDP/optimizer settings ({exc})."
+            ) from exc
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied since the initial weights (or the version loaded)."""
+        return self._version
+
+    @property
+    def weight_version(self) -> int:
+        """Same as :attr:`version` (the :class:`~rl_core.interfaces.WeightTarget` name)."""
+        return self._version
+
+    @property
+    def model_shape(self) -> ModelShape:
+        """Architecture numbers read from the Hugging Face config (true, unpadded vocabulary)."""
+        cfg = self.hf_config.get_text_config()
+        heads = int(cfg.num_attention_heads)
+        return ModelShape(
+            num_layers=int(cfg.num_hidden_layers),
+            hidden_size=int(cfg.hidden_size),
+            num_attention_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+            ffn_hidden_size=int(cfg.intermediate_size),
+            vocab_size=self._vocab,
+            tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def _device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+
+    def _forward(
+        self, batch: TrainBatch, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Padded forward of one micro-batch: ``logp_T`` (and ``entropy_T``) on the model device."""
+        prep = self._prepare(batch)
+        if prep is None:
+            zero_T = torch.zeros(0, dtype=torch.float32, device=self._device())
+            return zero_T, (zero_T if with_entropy else None)
+        logits_NLV = self.model(
+            prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
+        )
+        return self._logits_to_logp(logits_NLV, prep, with_entropy=with_entropy)
+
+    def _prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
+        """Padded ``[N, L]`` inputs and the index tensors to score ``[T]`` (``None`` if empty)."""
+        device = self._device()
+        tokens_T = batch.tokens.to(device)
+        if tokens_T.shape[0] == 0:
+            return None
+        cu_N1 = batch.cu_seqlens.to(device)
+        lengths_N = cu_N1[1:] - cu_N1[:-1]
+        n, max_len = int(lengths_N.shape[0]), int(lengths_N.max())
+        seq_T = batch.seq_index().to(device)
+        pos_T = batch.position_ids().to(device)
+        flat_T = seq_T * max_len + pos_T
+        tokens_NL = tokens_T.new_zeros(n * max_len).index_copy(0, flat_T, tokens_T).view(n, max_len)
+        positions_NL = torch.arange(max_len, device=device).expand(n, max_len)
+        scored_T = pos_T > 0
+        return {
+            "tokens_T": tokens_T,
+            "tokens_NL": tokens_NL,
+            "positions_NL": positions_NL,
+            "scored_T": scored_T,
+            "source_S": flat_T[scored_T] - 1,  # the position before each scored token
+        }
+
+    def _logits_to_logp(
+        self, logits_NLV: torch.Tensor, prep: dict[str, torch.Tensor], *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from megatron.core import parallel_state as ps
+
+        tokens_T, scored_T = prep["tokens_T"], prep["scored_T"]
+        zero_T = torch.zeros(tokens_T.shape[0], dtype=torch.float32, device=tokens_T.device)
+        width = logits_NLV.shape[-1]
+        logits_SV = logits_NLV.reshape(-1, width).index_select(0, prep["source_S"])
+        logp_S, ent_S = vocab_parallel_logprobs(
+            logits_SV,
+            tokens_T[scored_T],
+            vocab_start=self.layout.tp_rank * width,
+            vocab_size=self._vocab,
+            group=ps.get_tensor_model_parallel_group(),
+            temperature=self.config.temperature,
+            with_entropy=with_entropy,
+        )
+        logp_T = zero_T.masked_scatter(scored_T, logp_S)
+        ent_T = zero_T.masked_scatter(scored_T, ent_S) if ent_S is not None else None
+        return logp_T, ent_T
+
+    def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
+        """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens``, without gradients.
+
+        One forward per micro-batch; float32 results on ``batch.tokens``' device, identical on
+        every rank of a tensor/pipeline-parallel group (collective over that group).
+        """
+        if self.layout.pp_size > 1:
+            with torch.no_grad():
+                logp_T, ent_T = self._pipeline_logprobs(batch, with_entropy=with_entropy)
+            out = batch.tokens.device
+            return LogProbOutput(
+                logprobs=logp_T.to(out), entropy=ent_T.to(out) if ent_T is not None else None
+            )
+        logps, ents = [], []
+        with torch.no_grad():
+            for mb in batch.micro_batches():
+                logp_T, ent_T = self._forward(mb, with_entropy=with_entropy)
+                logps.append(logp_T)
+                if ent_T is not None:
+                    ents.append(ent_T)
+        out = batch.tokens.device
+        return LogProbOutput(
+            logprobs=torch.cat(logps).to(out),
+            entropy=torch.cat(ents).to(out) if with_entropy else None,
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def _lr_now(self) -> float:
+        warmup = self.config.warmup_steps
+        scale = min(1.0, (self._applied_steps + 1) / warmup) if warmup > 0 else 1.0
+        return self.config.lr * scale
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the micro-batches of ``batch`` (collective over all ranks).
+
+        Gradients are accumulated over micro-batches and summed over data-parallel ranks (never
+        averaged). The returned ``loss`` and loss-function metrics are sums over micro-batches
+        *and* data-parallel ranks (the step values, the same on every rank); ``grad_norm`` is the
+        global norm before clipping; ``lr`` the rate of this step; ``skipped_step`` 1.0 when the
+        norm was not finite (weights and schedule unchanged, version still advances). With
+        pipeline parallelism ``loss_fn`` is called on the last stage only.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        needs_entropy = bool(getattr(loss_fn, "requires_entropy", False))
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = {"loss": 0.0}
+
+        def record(out_loss: Any) -> None:
+            sums["loss"] += float(out_loss.loss.detach())
+            for name, value in out_loss.metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+
+        if self.layout.pp_size > 1:
+            self._pipeline_train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
+        else:
+            for mb in batch.micro_batches():
+                logp_T, ent_T = self._forward(mb, with_entropy=needs_entropy)
+                out_loss = loss_fn(logp_T, _to_device(mb, logp_T.device), ent_T)
+                if out_loss.loss.requires_grad:
+                    out_loss.loss.backward()
+                record(out_loss)
+        finalize_model_grads([self.model])
+
+        lr = self._lr_now()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            if self.config.grad_clip > 0:
+                for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                    params = opt.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, self.config.grad_clip, grad_norm)
+            self.optimizer.step_with_ready_grads()
+            self._applied_steps += 1
+        self._version += 1
+
+        is_last = ps.is_pipeline_last_stage()
+        totals = _sum_step_values(
+            sums if is_last else {}, count=is_last and self.layout.tp_rank == 0
+        )
+        metrics = {
+            "loss": totals.pop("loss"),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped_step": float(skipped),
+        }
+        metrics.update(totals)
+        return metrics
+
+    # ------------------------------------------------------------------ pipeline parallel
+
+    def _run_pipeline(
+        self,
+        micro_batches: list[TrainBatch],
+        loss_for: Any,
+        *,
+        forward_only: bool,
+    ) -> None:
+        """Run Megatron's 1F1B schedule over the non-empty micro-batches.
+
+        ``loss_for(index, prep, logits_NLV)`` runs on the last stage and returns the scalar to
+        back-propagate (ignored when ``forward_only``).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        items = [
+            (i, p) for i, mb in enumerate(micro_batches) if (p := self._prepare(mb)) is not None
+        ]
+        if not items:
+            return
+
+        def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[Any, Any]:
+            index, prep = next(data_iterator)
+            output = model(
+                prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
+            )
+
+            def loss_func(logits_NLV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                loss = loss_for(index, prep, logits_NLV)
+                return loss, torch.ones((), dtype=torch.int), {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(items),
+            model=[self.model],
+            num_microbatches=len(items),
+            seq_length=max(int(p["tokens_NL"].shape[1]) for _, p in items),
+            micro_batch_size=max(int(p["tokens_NL"].shape[0]) for _, p in items),
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, x_T: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        torch.distributed.broadcast(
+            x_T,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+        return x_T
+
+    def _pipeline_logprobs(
+        self, batch: TrainBatch, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs through the pipeline; the last stage broadcasts them to every stage."""
+        mbs = batch.micro_batches()
+        device = self._device()
+        logp_T = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
+        ent_T = torch.zeros_like(logp_T) if with_entropy else None
+        offsets = [int(batch.cu_seqlens[b]) for b in (batch.micro_batch_bounds or (0,))]
+
+        def loss_for(index: int, prep: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
+            lp, ent = self._logits_to_logp(logits, prep, with_entropy=with_entropy)
+            t0 = offsets[index]
+            logp_T[t0 : t0 + lp.shape[0]] = lp
+            if ent_T is not None and ent is not None:
+                ent_T[t0 : t0 + ent.shape[0]] = ent
+            return logits.new_zeros(())
+
+        self._run_pipeline(mbs, loss_for, forward_only=True)
+        logp_T = self._broadcast_from_last_stage(logp_T)
+        if ent_T is not None:
+            ent_T = self._broadcast_from_last_stage(ent_T)
+        return logp_T, ent_T
+
+    def _pipeline_train(
+        self, batch: TrainBatch, loss_fn: LossFn, *, needs_entropy: bool, record: Any
+    ) -> None:
+        """Forward and backward of every micro-batch through the pipeline (1F1B)."""
+        mbs = batch.micro_batches()
+
+        def loss_for(index: int, prep: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
+            logp_T, ent_T = self._logits_to_logp(logits, prep, with_entropy=needs_entropy)
+            out = loss_fn(logp_T, _to_device(mbs[index], logp_T.device), ent_T)
+            record(out)
+            loss = out.loss
+            if not loss.requires_grad:  # the stage before still needs a (zero) gradient
+                loss = loss + 0.0 * logp_T.sum()
+            return loss
+
+        self._run_pipeline(mbs, loss_for, forward_only=False)
+
+    # ------------------------------------------------------------------ weights
+
+    def _gathered_shards(self, entry: WeightEntry) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        local = self._params[entry.mcore_name].detach()
+        if self.weight_map.gather_dim(entry) is None or self.layout.tp_size == 1:
+            return [local]
+        group = ps.get_tensor_model_parallel_group()
+        shards = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
+        torch.distributed.all_gather(shards, local.contiguous(), group=group)
+        return shards
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for every weight, in Hugging Face ``state_dict`` order.
+
+        Tensor-parallel shards are gathered and the vocabulary padding trimmed, so every rank
+        yields the same full tensors: a collective, every rank must consume the iterator to the
+        end. With tied embeddings ``lm_head.weight`` is omitted (as ``HFPolicy``). At TP=1 the
+        tensors are detached views of the live weights: copy them if you keep them across a
+        ``train_step``.
+        """
+        if self.layout.pp_size == 1:
+            for entry in self.weight_map.entries:
+                for name, tensor in self.weight_map.to_hf(entry, self._gathered_shards(entry)):
+                    yield name, tensor.detach()
+            return
+        yield from self._pipeline_named_weights()
+
+    def _owner_stage(self, entry: WeightEntry) -> int:
+        """Pipeline stage that holds ``entry`` of the global (all-layers) map."""
+        name = entry.mcore_name
+        if name.startswith("embedding."):
+            return 0
+        if name.startswith("decoder.layers."):
+            return int(name.split(".")[2]) // self._layers_per_stage
+        return self.layout.pp_size - 1
+
+    def _pipeline_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each stage gathers its TP shards; the owner broadcasts each HF tensor over the
+        pipeline group (shape first), so every rank yields every weight."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        device = self._device()
+        for entry in self._global_map.entries:
+            owner = self._owner_stage(entry)
+            src = torch.distributed.get_global_rank(group, owner)
+            mine: list[tuple[str, torch.Tensor]] = []
+            if owner == self.layout.pp_rank:
+                local = self.weight_map.by_hf_name[entry.hf_names[0]]
+                mine = list(self.weight_map.to_hf(local, self._gathered_shards(local)))
+            for i, name in enumerate(entry.hf_names):
+                shape_4 = torch.full((4,), -1, dtype=torch.int64, device=device)
+                if mine:
+                    shape = mine[i][1].shape
+                    shape_4[: len(shape)] = torch.tensor(shape, dtype=torch.int64)
+                torch.distributed.broadcast(shape_4, src=src, group=group)
+                shape = tuple(int(d) for d in shape_4 if d >= 0)
+                tensor = (
+                    mine[i][1].contiguous()
+                    if mine
+                    else torch.empty(shape, dtype=self._params_dtype, device=device)
+                )
+                torch.distributed.broadcast(tensor, src=src, group=group)
+                yield name, tensor.detach()
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Copy Hugging Face-named full tensors into this rank's shards and set the version.
+
+        Collective (every rank passes the same tensors). Names and shapes are checked before any
+        weight changes; names not given keep their values (a fused Megatron tensor such as qkv
+        is completed from the current weights); for a tied model ``lm_head.weight`` is accepted
+        and written to the shared matrix.
+
+        Raises:
+            WeightSyncError: an unknown name or a shape mismatch (nothing is changed).
+        """
+        self._copy_in(dict(named_tensors), error=WeightSyncError, source="load_weights")
+        self._version = int(version)
+
+    def _expected_hf_shapes(self, entry: WeightEntry) -> dict[str, tuple[int, ...]]:
+        local = self._params[entry.mcore_name]
+        shards = [local.detach()] * (
+            1 if self.weight_map.gather_dim(entry) is None else self.layout.tp_size
+        )
+        return {n: tuple(t.shape) for n, t in self.weight_map.to_hf(entry, shards)}
+
+    def _copy_in(
+        self, tensors: dict[str, torch.Tensor], *, error: type[RLError], source: str
+    ) -> None:
+        wm = self.weight_map
+        if wm.tied and "lm_head.weight" in tensors:
+            lm_head = tensors.pop("lm_head.weight")
+            tensors.setdefault("model.embed_tokens.weight", lm_head)
+        self._global_map.check_names(list(tensors), error=error, source=source)
+        # Pipeline stages take the names they hold (the owner stage checks the shape).
+        tensors = {n: t for n, t in tensors.items() if n in wm.by_hf_name}
+        touched = [e for e in wm.entries if any(n in tensors for n in e.hf_names)]
+        for entry in touched:
+            expected = self._expected_hf_shapes(entry)
+            for name in entry.hf_names:
+                if name in tensors and tuple(tensors[name].shape) != expected[name]:
+                    raise error(
+                        f"{source}: weight {name!r} has shape {tuple(tensors[name].shape)}, the "
+                        f"model expects {expected[name]}; is it from a different model config?"
+                    )
+        with torch.no_grad():
+            for entry in touched:
+                if not all(n in tensors for n in entry.hf_names):
+                    current = dict(wm.to_hf(entry, self._gathered_shards(entry)))
+                    parts = [tensors.get(n, current[n]) for n in entry.hf_names]
+                else:
+                    parts = [tensors[n] for n in entry.hf_names]
+                param = self._params[entry.mcore_name]
+                parts = [p.to(device=param.device, dtype=param.dtype) for p in parts]
+                shard = wm.to_megatron(entry, parts, self.layout.tp_rank, self.layout.tp_size)
+                param.data.copy_(shard)
+        reload = getattr(getattr(self, "optimizer", None), "reload_model_params", None)
+        if callable(reload):
+            reload()
+
+    def _load_hf_dir(self, path: Path, *, error: type[RLError]) -> None:
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise error(f"{path}: no *.safetensors weights; save the model with save_pretrained.")
+        wanted = {n for e in self.weight_map.entries for n in e.hf_names}
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name in wanted or (self.weight_map.tied and name == "lm_head.weight"):
+                        tensors[name] = handle.get_tensor(name)
+        if self.weight_map.tied and "model.embed_tokens.weight" in tensors:
+            tensors.pop("lm_head.weight", None)
+        missing = sorted(wanted - set(tensors))
+        if missing:
+            raise error(
+                f"{path}: weights {missing[:3]} missing from the checkpoint; was it saved from a "
+                "different model?"
+            )
+        self._copy_in(tensors, error=error, source=str(path))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _inner_optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _optimizer_state(self) -> list[dict[str, Any]]:
+        """This rank's optimizer state: each inner torch optimizer's ``state_dict`` (for the
+        distributed optimizer, the state of this rank's shard) and, with bf16 parameters, the
+        fp32 main weights. With fp32 parameters the main weights are the model weights."""
+        parts = []
+        for opt in self._inner_optimizers():
+            entry: dict[str, Any] = {"inner": opt.optimizer.state_dict()}
+            main = _main_param_groups(opt)
+            if main is not None:
+                entry["main_params"] = [[p.detach().cpu().clone() for p in g] for g in main]
+            parts.append(entry)
+        return parts
+
+    def _load_optimizer_state(self, parts: list[dict[str, Any]]) -> None:
+        optimizers = self._inner_optimizers()
+        if len(parts) != len(optimizers):
+            raise CheckpointError(
+                f"optimizer state has {len(parts)} parts, this policy has {len(optimizers)} "
+                "optimizers; it was saved from a different model or settings."
+            )
+        for opt, entry in zip(optimizers, parts):
+            opt.optimizer.load_state_dict(entry["inner"])
+            main = _main_param_groups(opt)
+            if main is not None and "main_params" in entry:
+                with torch.no_grad():
+                    for group, saved in zip(main, entry["main_params"]):
+                        for p, v in zip(group, saved):
+                            p.copy_(v)
+
+    def _layout_record(self) -> dict[str, Any]:
+        return {
+            "tp_size": self.layout.tp_size,
+            "pp_size": self.layout.pp_size,
+            "dp_size": self.layout.dp_size,
+            "use_distributed_optimizer": self.config.use_distributed_optimizer,
+        }
+
+    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Write a Hugging Face model directory plus optimizer state (collective).
+
+        Global rank 0 writes ``config.json``, ``model.safetensors`` (full tensors, HF names,
+        loadable by ``AutoModelForCausalLM`` and by this policy at any layout) and the tokenizer.
+        With ``with_optimizer`` every rank writes its optimizer state under :data:`OPTIM_DIR`
+        (tied to this parallel layout). Rank 0 writes :data:`STATE_FILE` (version, schedule
+        position, layout) last, after a barrier.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        rank = self.layout.rank
+        weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+            self.hf_config.save_pretrained(str(out))
+            src_gen = Path(self.config.model_path) / "generation_config.json"
+            if src_gen.is_file() and src_gen.resolve() != (out / src_gen.name).resolve():
+                shutil.copyfile(src_gen, out / src_gen.name)
+            self.tokenizer.save_pretrained(str(out))
+        torch.distributed.barrier()
+        if with_optimizer:
+            optim_dir = out / OPTIM_DIR
+            optim_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(self._optimizer_state(), optim_dir / f"rank{rank:05d}.pt")
+        torch.distributed.barrier()
+        if rank == 0:
+            state = {
+                "format": 1,
+                "version": self._version,
+                "applied_steps": self._applied_steps,
+                "with_optimizer": with_optimizer,
+                "layout": self._layout_record(),
+            }
+            tmp = out / (STATE_FILE + ".tmp")
+            torch.save(state, tmp)
+            tmp.replace(out / STATE_FILE)
+        torch.distributed.barrier()
+
+    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Restore weights, version and (if ``with_optimizer``) optimizer state (collective).
+
+        Weights load at any layout; optimizer state only at the layout it was saved with.
+
+        Raises:
+            CheckpointError: files are missing, a weight is missing or has the wrong shape, the
+                optimizer state was asked for but not saved, or the layout differs.
+        """
+
+        src = Path(directory)
+        state_path = src / STATE_FILE
+        if not state_path.is_file() or not list(src.glob("*.safetensors")):
+            raise CheckpointError(
+                f"{src}: not a policy checkpoint (needs *.safetensors and {STATE_FILE}); write one "
+                "with MegatronPolicy.save."
+            )
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        if with_optimizer:
+            if not state.get("with_optimizer"):
+                raise CheckpointError(
+                    f"{state_path}: saved without optimizer state; load with with_optimizer=False."
+                )
+            if state["layout"] != self._layout_record():
+                raise CheckpointError(
+                    f"{state_path}: optimizer state was saved with layout {state['layout']}, this "
+                    f"policy runs {self._layout_record()}; load with with_optimizer=False (weights "
+                    "load at any layout) or use the saved layout."
+                )
+        self._load_hf_dir(src, error=CheckpointError)
+        if with_optimizer:
+            path = src / OPTIM_DIR / f"rank{self.layout.rank:05d}.pt"
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing; the checkpoint is incomplete.")
+            self._load_optimizer_state(torch.load(path, map_location="cpu", weights_only=True))
+        self._version = int(state["version"])
+        self._applied_steps = int(state["applied_steps"])
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    import dataclasses
+
+    if batch.tokens.device == device:
+        return batch
+    moved = {
+        f.name: getattr(batch, f.name).to(device)
+        for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(batch, **moved)
+
+
+def _main_param_groups(opt: Any) -> list[list[torch.Tensor]] | None:
+    """The fp32 main-weight groups of a mixed-precision Megatron optimizer (``None`` in fp32)."""
+    for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+        groups = getattr(opt, attr, None)
+        if groups and any(len(g) for g in groups):
+            return groups
+    return None
+
+
+def _sum_step_values(values: dict[str, float], *, count: bool) -> dict[str, float]:
+    """Sum named floats over the ranks with ``count`` True (one per data-parallel replica: TP
+    rank 0 of the last pipeline stage); every rank gets the same result."""
+    world = torch.distributed.get_world_size()
+    if world == 1:
+        return dict(values)
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, values if count else {})
+    names = sorted({k for d in gathered for k in d})
+    # Sum in rank order so every rank reports the same value.
+    return {k: float(sum(float(d.get(k, 0.0)) for d in gathered)) for k in names}

@@ -1,0 +1,91 @@
+"""Shared fixtures of rl-megatron's tests: tiny Hugging Face models and the ``gpu`` skip."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_core.reference import TinyModelSpec, build_tiny_model
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests when CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def build_qwen3_model(save_dir: Path, *, tie: bool = False, seed: int = 0) -> Path:
+    """A tiny random Qwen3 (QK-norm, explicit head_dim) with the local test tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_core.reference.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # Non-trivial norm weights, so a mis-mapped norm shows up in the log-probs.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+    save_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(save_dir))
+    tok.save_pretrained(str(save_dir))
+    return save_dir
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny models by name: ``qwen2`` (tied), ``llama`` (untied), ``qwen3`` (QK-norm, untied)."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "qwen2": build_tiny_model(
+            root / "qwen2", TinyModelSpec(hidden_size=32, intermediate_size=64)
+        ),
+        "llama": build_tiny_model(
+            root / "llama",
+            TinyModelSpec(
+                arch="llama",
+                hidden_size=32,
+                intermediate_size=64,
+                tie_word_embeddings=False,
+                seed=1,
+            ),
+        ),
+        "qwen3": build_qwen3_model(root / "qwen3", seed=2),
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _isolate_process_state():
+    """After each module: tear down Megatron's parallel state, the default process group and
+    the CPU redirections, so other packages' tests in the same pytest run see a clean process."""
+    yield
+    if torch.distributed.is_initialized():
+        if "megatron.core.parallel_state" in sys.modules:
+            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    if "rl_megatron._cpu_support" in sys.modules:
+        sys.modules["rl_megatron._cpu_support"].disable_cpu_support()
