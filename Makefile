@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
-EDITABLES := -e "packages/rl-core[hf,yaml,test]" -e "packages/rl-buffer[parquet,datasets]" -e packages/rl-weightsync \
+EDITABLES := -e "packages/rl-core[hf,yaml,test,math]" -e "packages/rl-buffer[parquet,datasets]" -e packages/rl-weightsync \
              -e packages/rl-sglang -e packages/rl-megatron -e apps/trainer
 
 .PHONY: setup demo test lint format bench clean

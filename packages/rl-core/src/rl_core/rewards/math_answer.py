@@ -1,0 +1,119 @@
+"""Math answer equivalence with the maintained ``math-verify`` library (extra ``rl-core[math]``).
+
+:class:`MathEquiv` parses the reference answer (``Prompt.label``) and the response with
+``math_verify.parse`` (LaTeX, ``\\boxed{}``, plain expressions) and compares them symbolically
+and numerically with ``math_verify.verify``: ``"\\boxed{\\frac{1}{2}}"`` equals the label
+``"0.5"``; ``"x = 19"`` equals ``"19"``. Returns 1.0 when equivalent, else 0.0.
+
+``math_verify`` is imported when the reward is built, never when :mod:`rl_core` or
+:mod:`rl_core.rewards` is imported. Without it, building the reward raises
+:class:`~rl_core.errors.RewardError` saying how to install it.
+
+Semantics: a response that cannot be parsed (garbage, no answer) scores 0. A label that cannot
+be parsed raises :class:`~rl_core.errors.RewardError` naming the prompt (the dataset is wrong,
+not the model). ``math_verify`` bounds its own parsing and comparison time with ``SIGALRM``,
+which only works in the main thread; in any other thread the reward runs without that timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from rl_core.errors import ConfigError, RewardError
+from rl_core.rewards._common import labels_of
+from rl_core.types import Prompt, Rollout
+
+__all__ = ["MathEquiv"]
+
+
+class MathEquiv:
+    """1.0 when the response's final answer is mathematically equivalent to ``Prompt.label``.
+
+    Registered as ``math_equiv``. A list label accepts any of its answers.
+    """
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Config:
+        """Options of :class:`MathEquiv` (passed to ``math_verify``)."""
+
+        float_rounding: int = 6
+        """Decimal places numbers are rounded to before comparison."""
+        strict: bool = True
+        """``math_verify``'s strict mode: variables and relations must match too (``x = 1`` vs
+        ``1`` only compares the right-hand side when ``False``)."""
+        timeout_seconds: int | None = 5
+        """Time limit for parsing and for comparison, each (main thread only); ``None``: none."""
+
+        def __post_init__(self) -> None:
+            if self.float_rounding < 0:
+                raise ConfigError(
+                    f"reward.float_rounding: must be >= 0, got {self.float_rounding}."
+                )
+            if self.timeout_seconds is not None and self.timeout_seconds < 1:
+                raise ConfigError(
+                    f"reward.timeout_seconds: must be >= 1 or None, got {self.timeout_seconds}."
+                )
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config or MathEquiv.Config()
+        try:
+            import math_verify
+        except ImportError as e:
+            raise RewardError(
+                f"math_equiv needs the math-verify package ({e}); install it with "
+                "`pip install 'rl-core[math]'`."
+            ) from None
+        self._mv = math_verify
+        self._gold_cache: dict[str, list[Any]] = {}
+
+    def _timeout(self) -> int | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return self.config.timeout_seconds
+
+    def _parse(self, text: str) -> list[Any]:
+        try:
+            return list(self._mv.parse(text, parsing_timeout=self._timeout()))
+        except Exception:  # math_verify reports unparsable input as [] but may raise on odd input
+            return []
+
+    def _gold(self, label: str, prompt: Any) -> list[Any]:
+        if label not in self._gold_cache:
+            parsed = self._parse(label)
+            if not parsed:
+                # A bare number or expression without LaTeX delimiters: try it in math mode.
+                parsed = self._parse(f"${label}$")
+            if not parsed:
+                raise RewardError(
+                    f"math_equiv: the label {label!r} of prompt {getattr(prompt, 'uid', '?')!r} "
+                    "cannot be parsed by math-verify; write it as a number, an expression or "
+                    "LaTeX (e.g. '\\frac{1}{2}')."
+                )
+            self._gold_cache[label] = parsed
+        return self._gold_cache[label]
+
+    def __call__(self, prompt: Prompt, response: str, rollout: Rollout | None = None) -> float:
+        """Score one response (see the module docstring)."""
+        labels = labels_of(prompt, "math_equiv")
+        golds = [self._gold(lab, prompt) for lab in labels]
+        if not isinstance(response, str) or not response.strip():
+            return 0.0
+        answer = self._parse(response)
+        if not answer:
+            return 0.0
+        for gold in golds:
+            try:
+                ok = self._mv.verify(
+                    gold,
+                    answer,
+                    float_rounding=self.config.float_rounding,
+                    strict=self.config.strict,
+                    timeout_seconds=self._timeout(),
+                )
+            except Exception:  # a comparison math_verify cannot do means "not shown equal"
+                ok = False
+            if ok:
+                return 1.0
+        return 0.0
