@@ -146,3 +146,17 @@ def test_sampler_async_fill():
 def test_pop_batch_when_not_full_raises():
     with pytest.raises(RuntimeError, match="need 1"):
         DynamicSampler(DynamicSampler.Config(batch_size=1)).pop_batch()
+
+
+def test_drop_older_than_removes_only_stale_carry_over():
+    """Surplus kept groups older than the staleness bound are dropped and counted."""
+    from rl_buffer.sampler import DynamicSampler
+    from rl_core.testing.buffer import make_group
+
+    sampler = DynamicSampler(DynamicSampler.Config(batch_size=1))
+    old, new = make_group("old", versions=3), make_group("new", versions=5)
+    sampler.add([old, new])
+    assert sampler.drop_older_than(4) == 1
+    assert sampler.totals["drop_stale"] == 1
+    assert [g.uid for g in sampler.pop_batch()] == [new.uid]
+    assert sampler.drop_older_than(100) == 0

@@ -126,6 +126,16 @@ class DynamicSampler:
                 self.totals[f"drop_{reason}"] += 1
         return reasons
 
+    def drop_older_than(self, min_version: int) -> int:
+        """Drop carried-over kept groups with a token from a policy version below
+        ``min_version`` (bounded staleness); returns how many were dropped (also counted in
+        :attr:`totals` as ``drop_stale``)."""
+        fresh = deque(g for g in self._kept if (v := g.min_version) is None or v >= min_version)
+        dropped = len(self._kept) - len(fresh)
+        self._kept = fresh
+        self.totals["drop_stale"] += dropped
+        return dropped
+
     def pop_batch(self) -> list[Group]:
         """The ``batch_size`` oldest kept groups; the rest stay for the next step. Also closes
         the step's metrics (:attr:`last_step_metrics`)."""
