@@ -120,3 +120,13 @@ def test_configuration_reference_is_current():
 
     doc = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
     assert doc.read_text() == render()
+
+
+def test_async_fields_validate(tmp_path):
+    cfg = load_trainer_config(_recipe(tmp_path), ["rl.async_generation=true", "rl.max_staleness=2"])
+    assert cfg.rl.async_generation is True and cfg.rl.max_staleness == 2
+    assert load_trainer_config(_recipe(tmp_path)).rl.async_generation is False
+    with pytest.raises(ConfigError, match=r"rl\.max_staleness: must be >= 0"):
+        load_trainer_config(_recipe(tmp_path), ["rl.max_staleness=-1"])
+    with pytest.raises(ConfigError, match=r"buffer\.max_staleness: .*set rl\.max_staleness"):
+        load_trainer_config(_recipe(tmp_path, buffer={"type": "group", "max_staleness": 1}))

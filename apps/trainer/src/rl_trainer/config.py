@@ -153,6 +153,23 @@ class RLConfig:
     """RL steps (one rollout batch and one optimizer step each)."""
     max_tokens_per_micro_batch: int = 4096
     """Token cap of one micro-batch."""
+    async_generation: bool = False
+    """Overlap generation and training: while the policy trains step k (in a trainer thread),
+    the generator produces the groups of the next steps with the weights it has, exactly
+    ``max_staleness`` versions behind. Weights reach the generator between generation rounds
+    only (no request is cut short), so runs stay reproducible and resume exactly. Off: generate,
+    then train, step by step."""
+    max_staleness: int = 1
+    """How many policy versions older than the policy being trained a rollout token may be;
+    older groups are never trained on (dropped before they reach the buffer, counted in
+    ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
+    ahead; 0 reproduces the synchronous run exactly. In the synchronous loop only surplus
+    groups carried over by dynamic sampling can be stale (by one version)."""
+    mask_older_than: int | None = None
+    """Zero the loss on response tokens more than this many versions older than the policy
+    being trained (they still count in their group's advantage baseline); ``None`` trains on
+    every token within ``max_staleness``. Off-policy tokens can instead be reweighted with
+    ``algorithm.loss.correction: tis``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -257,4 +274,17 @@ def load_trainer_config(
         raise ConfigError("model: set model.path (a Hugging Face directory) or model.init.")
     if cfg.rollout.n_samples < 1 or cfg.rollout.prompts_per_step < 1:
         raise ConfigError("rollout.n_samples and rollout.prompts_per_step must be >= 1.")
+    if cfg.rl.max_staleness < 0:
+        raise ConfigError(
+            f"rl.max_staleness: must be >= 0, got {cfg.rl.max_staleness}; 0 trains on-policy only."
+        )
+    if cfg.rl.mask_older_than is not None and cfg.rl.mask_older_than < 0:
+        raise ConfigError(
+            f"rl.mask_older_than: must be >= 0 or null, got {cfg.rl.mask_older_than}."
+        )
+    if "max_staleness" in cfg.buffer.options:
+        raise ConfigError(
+            "buffer.max_staleness: the trainer bounds staleness itself; set rl.max_staleness "
+            "instead and remove buffer.max_staleness."
+        )
     return cfg

@@ -1,16 +1,24 @@
-"""The synchronous training loop on the ``local`` runtime (DESIGN §6)::
+"""The training loop on the ``local`` runtime (DESIGN §6), synchronous or asynchronous::
 
     for step in range(rl.steps):
-        prompts  = train_data.next_prompts(P)              # DataSource
-        groups   = generate n rollouts per prompt           # Generator / GenerateFn
-        score    -> rewards, failures counted               # RewardFn
-        filter   -> over-sample until P groups are kept     # GroupFilter
-        buffer.put(groups); groups = buffer.take(P)         # Buffer
+        round: prompts  = train_data.next_prompts(P)       # DataSource
+               groups   = generate n rollouts per prompt    # Generator / GenerateFn
+               score    -> rewards, failures counted        # RewardFn
+               filter   -> over-sample until P fresh groups # GroupFilter (stale surplus dropped)
+               buffer.put(groups)                           # Buffer
+        groups = buffer.take(P, min_version=policy.version - rl.max_staleness)
         advantages -> packed TrainBatch (+ ref log-probs)   # AdvantageFn, loss weights
         policy.train_step(batch, loss)                      # Policy, LossFn
         update = transport.publish(version, named_weights)  # WeightTransport
         generator.update_weights(update, transport)
         evaluate / checkpoint on schedule
+
+Synchronous (default): the round of step k runs right before step k trains. With
+``rl.async_generation`` the rounds run ahead in a producer task (:mod:`rl_trainer.pipeline`)
+while the policy trains in its own thread; the generator serves exactly the version
+``max_staleness`` behind, so ``max_staleness = 0`` is the synchronous run. Both modes share the
+round (:meth:`Trainer._produce`), the take and the train step; only who runs the round and
+when the generator receives weights differ.
 
 An optional SFT warm-up on the training labels runs first, with the same policy and packing.
 """
@@ -18,6 +26,7 @@ An optional SFT warm-up on the training labels runs first, with the same policy 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import random
 import shutil
@@ -47,6 +56,7 @@ from rl_trainer.checkpoint import (
 )
 from rl_trainer.config import TrainerConfig
 from rl_trainer.metrics import MetricsLogger
+from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.rollout import RolloutStats, Scorer, filter_groups, generate_groups
 
 __all__ = ["Trainer"]
@@ -60,6 +70,11 @@ def _free_port() -> int:
 
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def _min_version(group: Group) -> int:
+    v = group.min_version
+    return v if v is not None else 2**62  # no response token: never stale
 
 
 class Trainer:
@@ -213,6 +228,10 @@ class Trainer:
             raise ConfigError("algorithm.loss.kl_coef > 0 needs algorithm.use_reference: true.")
 
         self.state: dict[str, Any] = {"sft_step": 0, "rl_step": 0, "eval_at_0": False}
+        self.pipeline: RolloutPipeline | None = None
+        self._train_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._first_version = 0
+        self._ready_rounds: dict[int, dict[str, Any]] = {}
         self._resume_lines: int | None = None
         self._resume_from: Path | None = None
         if self.resume:
@@ -291,6 +310,7 @@ class Trainer:
             "train_data": self.train_data.state_dict(),
             "buffer": self.buffer.state_dict(),
             "sampler": self.sampler.state_dict(),
+            "pipeline": self.pipeline.state_dict() if self.pipeline is not None else {"ready": {}},
             "rng": capture_rng(),
             "metrics_lines": metrics_lines,
             "config": to_dict(self.config),
@@ -316,6 +336,7 @@ class Trainer:
         self.train_data.load_state_dict(st["train_data"])
         self.buffer.load_state_dict(st["buffer"])
         self.sampler.load_state_dict(st["sampler"])
+        self._ready_rounds = dict(st.get("pipeline", {}).get("ready", {}))
         self._resume_lines = st["metrics_lines"]
         self._resume_from = ckpt
         self._resume_state = st
@@ -344,6 +365,26 @@ class Trainer:
                 f"{self.policy.version}; the weight transport did not apply it."
             )
         return time.perf_counter() - t0
+
+    async def _serve(self, version: int, weights: Weights | None) -> None:
+        """Bring the generator to ``version`` for a rollout round (async mode): publish the copy
+        the trainer released, or the live policy when it holds exactly ``version``."""
+        if self.generator.weight_version >= version:
+            return
+        if weights is None:
+            if self.policy.version != version:
+                raise RLError(
+                    f"weights of version {version} were not kept (policy is at "
+                    f"{self.policy.version}); this is a bug in the rollout pipeline."
+                )
+            weights = self.policy.named_weights()
+        update = self.transport.publish(version, weights)
+        await self.generator.update_weights(update, self.receiver)
+        if self.generator.weight_version != version:
+            raise RLError(
+                f"generator serves version {self.generator.weight_version} after an update to "
+                f"{version}; the weight transport did not apply it."
+            )
 
     def _plan(self, rollouts: Sequence[Rollout]) -> tuple[list[int], tuple[int, ...]]:
         """FLOPs-balanced micro-batch plan (rl-buffer's scheduler) under the token cap: the
@@ -400,10 +441,20 @@ class Trainer:
             "perf/train_tokens_per_s": batch.num_tokens / dt,
         }
 
-    async def _collect(self, step: int, stats: RolloutStats) -> tuple[list[Group], int, float]:
-        """Generate and score until the dynamic sampler holds ``prompts_per_step`` kept groups
-        (surplus kept groups carry over to the next step), then pass them through the buffer."""
+    def _train_version(self, step: int) -> int:
+        """The policy version that trains RL step ``step`` (one optimizer step per RL step)."""
+        return self._first_version + step - 1
+
+    async def _produce(self, step: int) -> dict[str, Any]:
+        """One rollout round: generate and score until the dynamic sampler holds
+        ``prompts_per_step`` kept groups fresh enough for step ``step`` (surplus kept groups carry
+        over to the next round), put them into the buffer, and return the round's metrics."""
         cfg = self.config.rollout
+        stats = RolloutStats()
+        scored: list[Rollout] = []
+        stale = self.sampler.drop_older_than(
+            self._train_version(step) - self.config.rl.max_staleness
+        )
         gen_tokens, gen_time = 0, 0.0
         round_ = 0
         while not self.sampler.full:
@@ -418,7 +469,7 @@ class Trainer:
             gen_time += time.perf_counter() - t0
             gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
             await self.scorer.score(groups, stats)
-            self._all_scored.extend(r for g in groups for r in g.rollouts)
+            scored.extend(r for g in groups for r in g.rollouts)
             # Failed rollouts leave their group (groups may be uneven); the filters see the rest.
             self.sampler.add(filter_groups(groups, (), stats))
             round_ += 1
@@ -429,8 +480,62 @@ class Trainer:
                     "almost everything (see rollout/dropped/*). Relax them or raise max_rounds."
                 )
         self.buffer.put(self.sampler.pop_batch())
-        taken = self.buffer.take(cfg.prompts_per_step)
-        return taken or [], gen_tokens, gen_time
+        return self._round_metrics(scored, stats, stale, gen_tokens, gen_time)
+
+    def _round_metrics(
+        self,
+        all_scored: Sequence[Rollout],
+        stats: RolloutStats,
+        stale: int,
+        gen_tokens: int,
+        gen_time: float,
+    ) -> dict[str, Any]:
+        scored = [r for r in all_scored if r.reward is not None]
+        record: dict[str, Any] = {}
+        rewards = [float(r.reward) for r in scored]
+        record["rollout/reward_mean"] = _mean(rewards)
+        record["rollout/reward_std"] = float(np.std(rewards)) if rewards else float("nan")
+        for key in sorted({k for r in scored for k in r.reward_info} - {"reward"}):
+            record[f"rollout/{key}_mean"] = _mean(
+                [r.reward_info[key] for r in scored if key in r.reward_info]
+            )
+        record["rollout/response_len_mean"] = _mean([r.response_length for r in all_scored])
+        record["rollout/truncated_frac"] = _mean(
+            [float(r.status == "truncated") for r in all_scored]
+        )
+        record.update(self.sampler.last_step_metrics)
+        for reason, n in stats.dropped.items():
+            record[f"rollout/dropped/{reason}"] = n
+        for reason, n in stats.failed.items():
+            record[f"rollout/failed/{reason}"] = n
+        record["rollout/stale_dropped"] = stale
+        record["perf/rollout_tokens_per_s"] = (
+            gen_tokens / gen_time if gen_time > 0 else float("nan")
+        )
+        record["perf/gen_time"] = gen_time
+        return record
+
+    def _take(self) -> tuple[list[Group], dict[str, float]]:
+        """This step's groups from the buffer (never older than ``max_staleness`` versions) and
+        their staleness metrics."""
+        version = self.policy.version
+        n = self.config.rollout.prompts_per_step
+        held = len(self.buffer)
+        groups = self.buffer.take(n, min_version=version - self.config.rl.max_staleness)
+        if groups is None:
+            raise RLError(
+                f"buffer: {held} groups held but fewer than {n} within rl.max_staleness="
+                f"{self.config.rl.max_staleness} of policy version {version}; rounds must put "
+                "fresh groups (is another writer using the buffer?)."
+            )
+        ages = [version - v for g in groups for r in g.rollouts for v in r.versions]
+        lag = [version - r.min_version for g in groups for r in g.rollouts if r.versions]
+        return groups, {
+            "rollout/groups_kept": len(groups),
+            "rollout/off_policy_frac": _mean([float(a > 0) for a in lag]),
+            "rollout/staleness_mean": _mean(ages),
+            "rollout/staleness_max": max(ages, default=0),
+        }
 
     def _advantages(self, groups: Sequence[Group]) -> tuple[list[Rollout], list[torch.Tensor]]:
         rollouts = [r for g in groups for r in g.rollouts]
@@ -447,7 +552,13 @@ class Trainer:
         rollouts, adv = self._advantages(groups)
         order, bounds = self._plan(rollouts)
         rollouts, adv = [rollouts[i] for i in order], [adv[i] for i in order]
-        batch = pack_rollouts(rollouts, advantages=adv, micro_batch_bounds=bounds)
+        keep = self.config.rl.mask_older_than
+        batch = pack_rollouts(
+            rollouts,
+            advantages=adv,
+            micro_batch_bounds=bounds,
+            mask_versions_below=self.policy.version - keep if keep is not None else None,
+        )
         batch.loss_weights = compute_loss_weights(
             batch.loss_mask,
             batch.cu_seqlens,
@@ -458,68 +569,59 @@ class Trainer:
         if self.reference is not None:
             batch.ref_logprobs = self.reference.compute_logprobs(batch).logprobs
         # One optimizer step per batch: the policy before the step is the current one, so old
-        # log-probs equal the live ones and the extra forward is skipped. Tokens sampled by an
-        # older policy (surplus groups the dynamic sampler carries over, resumed partial
-        # rollouts) differ from it as the behaviour policy; `train/mismatch` measures that and
-        # `algorithm.loss.correction: tis` corrects it (that path needs the real old log-probs).
-        if alg.recompute_old_logprobs or self.loss_config.correction != "none":
+        # log-probs equal the live ones and the loss uses those (detached); no extra forward.
+        # Tokens sampled by an older policy (stale rounds, surplus groups the dynamic sampler
+        # carries over) differ from it as the behaviour policy: `train/mismatch` measures that
+        # against the rollout log-probs and `algorithm.loss.correction: tis` corrects it.
+        if alg.recompute_old_logprobs:
             batch.old_logprobs = self.policy.compute_logprobs(batch).logprobs
         return batch
 
+    def _train_on(self, groups: Sequence[Group]) -> dict[str, Any]:
+        """Pack ``groups`` and take one optimizer step (torch only: runs in the trainer thread in
+        async mode)."""
+        t0 = time.perf_counter()
+        batch = self._rl_batch(groups)
+        m = self.policy.train_step(batch, self.loss_fn)
+        train_time = time.perf_counter() - t0
+        record: dict[str, Any] = {
+            "train/loss": m["loss"],
+            "train/grad_norm": m["grad_norm"],
+            "train/kl": m.get("kl", m.get("ppo_kl")),
+            "train/entropy": m.get("entropy"),
+        }
+        for k in ("pg_clipfrac", "ppo_kl", "mismatch", "tis_weight_mean", "tis_clipfrac", "lr"):
+            if k in m:
+                record[f"train/{k}"] = m[k]
+        record["perf/train_time"] = train_time
+        record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
+        return record
+
     async def _rl_step(self) -> dict[str, Any]:
+        """One RL step; the rollouts come from this step's round (produced now, or ahead of time
+        by the pipeline)."""
         t_step = time.perf_counter()
         step = self.state["rl_step"] + 1
-        stats = RolloutStats()
-        self._all_scored: list[Rollout] = []
-        groups, gen_tokens, gen_time = await self._collect(step, stats)
-        scored = [r for r in self._all_scored if r.reward is not None]
-        record: dict[str, Any] = {"step": step, "phase": "rl"}
-        rewards = [float(r.reward) for r in scored]
-        record["rollout/reward_mean"] = _mean(rewards)
-        record["rollout/reward_std"] = float(np.std(rewards)) if rewards else float("nan")
-        for key in sorted({k for r in scored for k in r.reward_info} - {"reward"}):
-            record[f"rollout/{key}_mean"] = _mean(
-                [r.reward_info[key] for r in scored if key in r.reward_info]
+        if self.policy.version != self._train_version(step):
+            raise RLError(
+                f"rl step {step}: policy version {self.policy.version}, expected "
+                f"{self._train_version(step)} (one optimizer step per RL step)."
             )
-        record["rollout/response_len_mean"] = _mean([r.response_length for r in self._all_scored])
-        record["rollout/truncated_frac"] = _mean(
-            [float(r.status == "truncated") for r in self._all_scored]
-        )
-        record["rollout/groups_kept"] = len(groups)
-        record["rollout/off_policy_frac"] = _mean(
-            [
-                float(min(r.versions) < self.policy.version)
-                for g in groups
-                for r in g.rollouts
-                if r.versions
-            ]
-        )
-        record.update(self.sampler.last_step_metrics)
-        for reason, n in stats.dropped.items():
-            record[f"rollout/dropped/{reason}"] = n
-        for reason, n in stats.failed.items():
-            record[f"rollout/failed/{reason}"] = n
-        record["perf/rollout_tokens_per_s"] = (
-            gen_tokens / gen_time if gen_time > 0 else float("nan")
-        )
-        record["perf/gen_time"] = gen_time
-        if groups:
-            t0 = time.perf_counter()
-            batch = self._rl_batch(groups)
-            m = self.policy.train_step(batch, self.loss_fn)
-            train_time = time.perf_counter() - t0
-            record["train/loss"] = m["loss"]
-            record["train/grad_norm"] = m["grad_norm"]
-            record["train/kl"] = m.get("kl", m.get("ppo_kl"))
-            record["train/entropy"] = m.get("entropy")
-            for k in ("pg_clipfrac", "ppo_kl", "mismatch", "lr"):
-                if k in m:
-                    record[f"train/{k}"] = m[k]
-            record["perf/train_time"] = train_time
-            record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
+        t0 = time.perf_counter()
+        if self.pipeline is None:
+            round_metrics = await self._produce(step)
+        else:
+            round_metrics = await self.pipeline.next_round(step)
+        wait = time.perf_counter() - t0
+        groups, staleness = self._take()
+        record: dict[str, Any] = {"step": step, "phase": "rl", **round_metrics, **staleness}
+        if self.pipeline is None:
+            record.update(self._train_on(groups))
             record["perf/sync_time"] = await self._sync_weights()
-        else:  # every group was filtered out: nothing to train on this step
-            record["train/loss"] = None
+        else:
+            loop = asyncio.get_running_loop()
+            record.update(await loop.run_in_executor(self._train_thread, self._train_on, groups))
+            record["perf/rollout_wait"] = wait
         self.state["rl_step"] = step
         record["perf/step_time"] = time.perf_counter() - t_step
         return record
@@ -563,6 +665,40 @@ class Trainer:
             out[f"eval/{key}_mean"] = _mean([r.reward_info.get(key, 0.0) for r in rs])
         return out
 
+    # ----------------------------------------------------------------------------- async mode
+    def _start_pipeline(self) -> None:
+        """Start generating rounds ahead of training (``rl.async_generation``); the policy
+        trains in its own thread so the event loop keeps driving generation."""
+        threads = self.config.threads
+        self._train_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="rl-train",
+            initializer=torch.set_num_threads,
+            initargs=(threads,),
+        )
+        self.pipeline = RolloutPipeline(
+            produce=self._produce,
+            serve=self._serve,
+            max_staleness=self.config.rl.max_staleness,
+            first_version=self._first_version,
+            last_step=self.config.rl.steps,
+            next_step=self.state["rl_step"] + 1,
+            released=self.policy.version,
+            ready=self._ready_rounds,
+        )
+        self._ready_rounds = {}
+        self.pipeline.start()
+
+    def _weights_copy(self) -> Weights | None:
+        """A CPU copy of the policy's weights for a later round, or ``None`` when none is needed
+        (staleness 0: the next round starts while the trainer waits for it; or the generator
+        already serves this version)."""
+        if self.config.rl.max_staleness == 0:
+            return None
+        if self.generator.weight_version >= self.policy.version:
+            return None
+        return [(n, t.detach().to("cpu", copy=True)) for n, t in self.policy.named_weights()]
+
     # ----------------------------------------------------------------------------- main
     def run(self) -> list[dict[str, Any]]:
         """Run to the end (resuming if asked); returns the records written this run."""
@@ -580,7 +716,10 @@ class Trainer:
         )
         records = []
 
+        t_start = time.perf_counter()
+
         def emit(rec: dict[str, Any]) -> None:
+            rec["perf/elapsed_s"] = time.perf_counter() - t_start  # wall time of this process
             records.append(rec)
             metrics.log(rec, global_step=self.state["sft_step"] + self.state["rl_step"])
 
@@ -618,23 +757,45 @@ class Trainer:
                 self.reference = self._build_policy(start, temperature=temperature)
             self.transport, self.receiver = self._build_transports(start)
             self._load_resumed_policy()
+            self._first_version = self.policy.version - self.state["rl_step"]
             if self.generator.weight_version != self.policy.version:
                 await self._sync_weights()
             if not self.state["eval_at_0"]:
                 rec = {"step": 0, "phase": "rl", **await self.evaluate(0)}
                 self.state["eval_at_0"] = True
                 emit(rec)
+            if cfg.rl.async_generation:
+                self._start_pipeline()
+            elif self._ready_rounds:
+                raise ConfigError(
+                    "rl.async_generation: the checkpoint holds rollout rounds produced ahead by "
+                    "an async run; resume it with rl.async_generation=true."
+                )
             while self.state["rl_step"] < cfg.rl.steps:
                 rec = await self._rl_step()
                 step = self.state["rl_step"]
-                if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.rl.steps):
+                eval_due = bool(cfg.eval.every) and (
+                    step % cfg.eval.every == 0 or step == cfg.rl.steps
+                )
+                if self.pipeline is not None and (eval_due or due()):
+                    # Quiesce: the rounds before this version are done, the generator is idle.
+                    await self.pipeline.drain(self.policy.version)
+                    if eval_due:
+                        rec["perf/sync_time"] = await self._sync_weights()
+                if eval_due:
                     rec.update(await self.evaluate(step))
                 emit(rec)
                 if due():
                     self._save(metrics)
+                if self.pipeline is not None:
+                    await self.pipeline.release(self.policy.version, self._weights_copy())
             self._save(metrics)
             self.policy.save(self.run_dir / "final_model", with_optimizer=False)
         finally:
+            if self.pipeline is not None:
+                await self.pipeline.close()
+            if self._train_thread is not None:
+                self._train_thread.shutdown(wait=True)
             metrics.close()
             if self.generator is not None:
                 await self.generator.close()

@@ -1,0 +1,159 @@
+"""Asynchronous generation for the ``local`` runtime: rollout rounds run ahead of training.
+
+With ``rl.async_generation`` the trainer starts a :class:`RolloutPipeline`. Its producer task
+runs on the event loop (the main thread) and produces one *round* per RL step: the groups step
+``k`` trains on, generated and scored while the policy trains an earlier step in the trainer
+thread (torch releases the GIL, so on two cores both really run)::
+
+    version the generator serves for round k  =  v_train(k) - max_staleness
+    v_train(k)                                =  policy version when step k trains (v0 + k - 1)
+
+Timeline with ``max_staleness = 1`` (``G`` generation, ``T`` training, ``v`` weight version)::
+
+    producer:  G1(v0) G2(v0) | G3(v1) | G4(v2) ...
+    trainer:          T1(v0) | T2(v1) | T3(v2) ...     each step trains on data one version old
+
+Rules that make the schedule a pure function of the seed (so async runs are reproducible and
+resume exactly, and ``max_staleness = 0`` is the synchronous run):
+
+- Weights reach the generator only *between* rounds, and exactly the version a round needs: an
+  in-flight round always finishes on the weights it started with (no abort, no partial
+  rollouts). The trainer *releases* version ``v`` after step ``v``; with ``max_staleness > 0`` it
+  hands over a CPU copy of the weights (the policy trains on), which the producer publishes
+  through the weight transport when the round that needs ``v`` starts.
+- Evaluation and checkpoints at step ``k`` first :meth:`RolloutPipeline.drain` the producer: it
+  finishes every round that needs a version before ``k`` and then waits for ``k``. The generator
+  is idle, the buffer holds whole rounds, nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import torch
+
+from rl_core.errors import RLError
+
+__all__ = ["RolloutPipeline"]
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+class RolloutPipeline:
+    """Produces rollout rounds ahead of training, at most ``max_staleness`` versions behind.
+
+    ``produce(step)`` generates and scores the groups of ``step``, puts them into the buffer and
+    returns the round's metrics. ``serve(version, weights)`` brings the generator to ``version``
+    (``weights`` is the released copy, or ``None`` when the live policy holds exactly that
+    version and is idle). ``first_version`` is the policy version at RL step 0.
+    """
+
+    def __init__(
+        self,
+        *,
+        produce: Callable[[int], Awaitable[dict[str, Any]]],
+        serve: Callable[[int, Weights | None], Awaitable[None]],
+        max_staleness: int,
+        first_version: int,
+        last_step: int,
+        next_step: int,
+        released: int,
+        ready: Mapping[int, dict[str, Any]] | None = None,
+    ) -> None:
+        self.produce = produce
+        self.serve = serve
+        self.max_staleness = max_staleness
+        self.first_version = first_version
+        self.last_step = last_step
+        self._ready: dict[int, dict[str, Any]] = dict(ready or {})
+        self._next = next_step + len(self._ready)
+        self._released = released
+        self._weights: dict[int, Weights] = {}
+        self._producing = False
+        self._error: BaseException | None = None
+        self._cond = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+
+    def needed_version(self, step: int) -> int:
+        """The weight version the generator serves for the round of ``step``."""
+        return max(self.first_version, self.first_version + step - 1 - self.max_staleness)
+
+    # ----------------------------------------------------------------------------- producer
+    def start(self) -> None:
+        """Start the producer task on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="rollout-producer")
+
+    async def _run(self) -> None:
+        try:
+            while self._next <= self.last_step:
+                step = self._next
+                need = self.needed_version(step)
+                async with self._cond:
+                    await self._cond.wait_for(lambda need=need: self._released >= need)
+                    self._producing = True
+                    weights = self._weights.pop(need, None)
+                    for v in [v for v in self._weights if v < need]:
+                        del self._weights[v]
+                await self.serve(need, weights)
+                metrics = await self.produce(step)
+                async with self._cond:
+                    self._ready[step] = metrics
+                    self._next = step + 1
+                    self._producing = False
+                    self._cond.notify_all()
+        except BaseException as e:  # handed to the trainer's next wait
+            async with self._cond:
+                self._error = e
+                self._producing = False
+                self._cond.notify_all()
+            if not isinstance(e, Exception):
+                raise
+
+    def _check(self) -> bool:
+        if self._error is not None:
+            if isinstance(self._error, RLError):
+                raise self._error
+            raise RLError(f"rollout producer failed: {self._error!r}") from self._error
+        return False
+
+    # ----------------------------------------------------------------------------- trainer side
+    async def next_round(self, step: int) -> dict[str, Any]:
+        """Wait for the round of ``step`` (its groups are in the buffer); returns its metrics."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._check() or step in self._ready)
+            return self._ready.pop(step)
+
+    async def release(self, version: int, weights: Weights | None) -> None:
+        """Let rounds that need ``version`` start; ``weights`` is a copy of that version (needed
+        when the policy may train on before the producer uses it)."""
+        async with self._cond:
+            if weights is not None:
+                self._weights[version] = weights
+            self._released = version
+            self._cond.notify_all()
+
+    async def drain(self, version: int) -> None:
+        """Wait until every round that needs a version below ``version`` is produced and the
+        producer waits for ``version`` (call before ``release(version)``): the generator is idle
+        and the buffer holds whole rounds only."""
+        last = min(self.last_step, version - self.first_version + self.max_staleness)
+        async with self._cond:
+            await self._cond.wait_for(
+                lambda: self._check() or (self._next > last and not self._producing)
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Metrics of produced rounds not trained yet (their groups are in the buffer); only
+        meaningful after :meth:`drain`."""
+        return {"ready": {int(k): dict(v) for k, v in self._ready.items()}}
+
+    async def close(self) -> None:
+        """Stop the producer (a round in progress is cancelled)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self._task = None
