@@ -32,7 +32,7 @@ import random
 import shutil
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +72,6 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
-def _min_version(group: Group) -> int:
-    v = group.min_version
-    return v if v is not None else 2**62  # no response token: never stale
-
-
 class Trainer:
     """Builds every component from a :class:`TrainerConfig` and runs SFT warm-up then RL."""
 
@@ -111,12 +106,15 @@ class Trainer:
         return str(path)
 
     @staticmethod
-    def _with(kind: str, spec: ComponentSpec, **defaults: Any) -> ComponentSpec:
-        """``spec`` with run-wide defaults (model path, seed) for the options its ``Config`` has."""
+    def _config_fields(kind: str, spec: ComponentSpec) -> set[str]:
+        """Option names the ``Config`` of the component ``spec`` names (empty if it has none)."""
         cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
-        known = (
-            {f.name for f in dataclasses.fields(cls.Config)} if hasattr(cls, "Config") else set()
-        )
+        return {f.name for f in dataclasses.fields(cls.Config)} if hasattr(cls, "Config") else set()
+
+    @classmethod
+    def _with(cls, kind: str, spec: ComponentSpec, **defaults: Any) -> ComponentSpec:
+        """``spec`` with run-wide defaults (model path, seed) for the options its ``Config`` has."""
+        known = cls._config_fields(kind, spec)
         return ComponentSpec(
             type=spec.type,
             options={**{k: v for k, v in defaults.items() if k in known}, **spec.options},
@@ -260,12 +258,7 @@ class Trainer:
         the recipe names one.
         """
         spec = self._transport_spec(start_path)
-        cls = registry.resolve(
-            registry.GROUPS["weight_transport"], spec.type, field="weight_transport.type"
-        )
-        fields = (
-            {f.name for f in dataclasses.fields(cls.Config)} if hasattr(cls, "Config") else set()
-        )
+        fields = self._config_fields("weight_transport", spec)
         if not {"rank", "world_size"} <= fields:
             sender = registry.build("weight_transport", spec, field="weight_transport")
             return sender, sender
@@ -355,15 +348,20 @@ class Trainer:
         self._resume_from = None
 
     # ----------------------------------------------------------------------------- pieces
-    async def _sync_weights(self) -> float:
-        t0 = time.perf_counter()
-        update = self.transport.publish(self.policy.version, self.policy.named_weights())
+    async def _publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Publish ``weights`` as ``version`` and have the generator load them (checked)."""
+        update = self.transport.publish(version, weights)
         await self.generator.update_weights(update, self.receiver)
-        if self.generator.weight_version != self.policy.version:
+        if self.generator.weight_version != version:
             raise RLError(
                 f"generator serves version {self.generator.weight_version} after an update to "
-                f"{self.policy.version}; the weight transport did not apply it."
+                f"{version}; the weight transport did not apply it."
             )
+
+    async def _sync_weights(self) -> float:
+        """Bring the generator to the policy's current weights; returns the seconds it took."""
+        t0 = time.perf_counter()
+        await self._publish(self.policy.version, self.policy.named_weights())
         return time.perf_counter() - t0
 
     async def _serve(self, version: int, weights: Weights | None) -> None:
@@ -378,13 +376,7 @@ class Trainer:
                     f"{self.policy.version}); this is a bug in the rollout pipeline."
                 )
             weights = self.policy.named_weights()
-        update = self.transport.publish(version, weights)
-        await self.generator.update_weights(update, self.receiver)
-        if self.generator.weight_version != version:
-            raise RLError(
-                f"generator serves version {self.generator.weight_version} after an update to "
-                f"{version}; the weight transport did not apply it."
-            )
+        await self._publish(version, weights)
 
     def _plan(self, rollouts: Sequence[Rollout]) -> tuple[list[int], tuple[int, ...]]:
         """FLOPs-balanced micro-batch plan (rl-buffer's scheduler) under the token cap: the
