@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -80,6 +80,27 @@ def new_temp_dir(directory: Path, version: int) -> Path:
     tmp = directory / f".tmp-{version_dirname(version)}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
+
+
+@contextlib.contextmanager
+def staged_version(directory: Path, version: int) -> Iterator[Path]:
+    """A fresh temporary directory to write ``version`` into; removed if the body raises, so a
+    failed publish leaves nothing behind (commit it with :func:`commit_version`)."""
+    tmp = new_temp_dir(directory, version)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def commit_version(tmp: Path, directory: Path, version: int, manifest: Manifest) -> Path:
+    """Write ``manifest`` into the staged ``tmp``, then commit it atomically as ``version``'s
+    directory (completion marker last); returns that directory."""
+    write_bytes_synced(tmp / MANIFEST, manifest.to_json().encode())
+    final = directory / version_dirname(version)
+    commit_dir(tmp, final)
+    return final
 
 
 def commit_dir(tmp: Path, final: Path) -> None:

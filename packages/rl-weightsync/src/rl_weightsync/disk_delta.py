@@ -324,8 +324,7 @@ class DiskDeltaTransport(WeightTransport):
         return update
 
     def _publish_full(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> WeightUpdate:
-        tmp = _fs.new_temp_dir(self.directory, version)
-        try:
+        with _fs.staged_version(self.directory, version) as tmp:
             entries = _fs.write_safetensors_checkpoint(
                 tmp,
                 tensors,
@@ -345,12 +344,7 @@ class DiskDeltaTransport(WeightTransport):
                 num_tensors=len(entries),
                 extra={"bytes": nbytes, "full_bytes": nbytes},
             )
-            _fs.write_bytes_synced(tmp / _fs.MANIFEST, manifest.to_json().encode())
-            final = self.directory / _fs.version_dirname(version)
-            _fs.commit_dir(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            final = _fs.commit_version(tmp, self.directory, version, manifest)
         return WeightUpdate(
             version=version,
             base_version=None,
@@ -431,19 +425,13 @@ class DiskDeltaTransport(WeightTransport):
                 "encoding": self.config.encoding,
             },
         )
-        tmp = _fs.new_temp_dir(self.directory, version)
-        try:
+        with _fs.staged_version(self.directory, version) as tmp:
             with open(tmp / DELTA_FILE, "wb") as f:
                 for _, _, blob in changed:
                     f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
-            _fs.write_bytes_synced(tmp / _fs.MANIFEST, manifest.to_json().encode())
-            final = self.directory / _fs.version_dirname(version)
-            _fs.commit_dir(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            final = _fs.commit_version(tmp, self.directory, version, manifest)
         return WeightUpdate(
             version=version,
             base_version=base,

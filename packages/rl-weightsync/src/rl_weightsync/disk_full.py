@@ -17,7 +17,6 @@ Each version directory is itself a valid Hugging Face checkpoint (e.g. for SGLan
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -198,8 +197,7 @@ class DiskFullTransport(WeightTransport):
                     f"version above {existing[-1]} or use a fresh directory"
                 )
             tensors = cast_for_serving(named_tensors, self.config.serve_dtype, version=version)
-            tmp = _fs.new_temp_dir(self.directory, version)
-            try:
+            with _fs.staged_version(self.directory, version) as tmp:
                 entries = _fs.write_safetensors_checkpoint(
                     tmp,
                     tensors,
@@ -219,12 +217,7 @@ class DiskFullTransport(WeightTransport):
                     num_tensors=len(entries),
                     extra={"bytes": nbytes},
                 )
-                _fs.write_bytes_synced(tmp / _fs.MANIFEST, manifest.to_json().encode())
-                final = self.version_dir(version)
-                _fs.commit_dir(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+                final = _fs.commit_version(tmp, self.directory, version, manifest)
             _fs.prune(self.directory, self.config.keep_versions)
         return WeightUpdate(
             version=version,
