@@ -173,8 +173,34 @@ class RLConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalDatasetConfig:
+    """One extra evaluation dataset with its own reward, sampling and schedule."""
+
+    name: str
+    """Metric prefix: results are logged as ``eval/<name>/reward_mean``, ``eval/<name>/pass@k``."""
+    data: ComponentSpec
+    """Prompt source (``{type: jsonl, path: ...}``, any registered data source)."""
+    reward: ComponentSpec | None = None
+    """Reward function for this dataset; default: the run's reward."""
+    max_prompts: int | None = None
+    """Evaluate on at most this many prompts."""
+    n_samples: int | None = None
+    """Samples per prompt; default ``eval.n_samples``."""
+    sampling: SamplingConfig | None = None
+    """Sampling for this dataset; default ``eval.sampling``."""
+    pass_k: list[int] | None = None
+    """pass@k values to report; default ``eval.pass_k``. Each k must be <= n_samples."""
+    correct_threshold: float | None = None
+    """A sample is correct when its reward is >= this; default ``eval.correct_threshold``."""
+    every: int | None = None
+    """Evaluate every N RL steps (and at RL step 0 and the last step); default ``eval.every``;
+    0 evaluates only at step 0 and the end."""
+
+
+@dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    """Evaluation on the held-out prompts."""
+    """Evaluation on the held-out prompts (the task's eval split or ``data.eval``) and on any
+    extra ``datasets``."""
 
     every: int = 10
     """Evaluate every N RL steps (and at RL step 0 and the last step); 0 disables."""
@@ -184,6 +210,12 @@ class EvalConfig:
     """Samples per eval prompt."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     """Eval sampling (greedy by default)."""
+    pass_k: list[int] = field(default_factory=list)
+    """pass@k values to report (unbiased estimator over ``n_samples`` per prompt), e.g. [1, 8]."""
+    correct_threshold: float = 1.0
+    """A sample counts as correct for pass@k and ``accuracy`` when its reward is >= this."""
+    datasets: list[EvalDatasetConfig] = field(default_factory=list)
+    """Extra evaluation datasets, each with its own reward, sampling, n_samples and schedule."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -282,9 +314,34 @@ def load_trainer_config(
         raise ConfigError(
             f"rl.mask_older_than: must be >= 0 or null, got {cfg.rl.mask_older_than}."
         )
+    _check_eval(cfg.eval)
     if "max_staleness" in cfg.buffer.options:
         raise ConfigError(
             "buffer.max_staleness: the trainer bounds staleness itself; set rl.max_staleness "
             "instead and remove buffer.max_staleness."
         )
     return cfg
+
+
+def _check_eval(ev: EvalConfig) -> None:
+    """Validate the eval section: pass@k within n_samples, unique dataset names."""
+    seen: set[str] = set()
+    sets: list[tuple[str, int, list[int]]] = [("eval", ev.n_samples, ev.pass_k)]
+    for i, ds in enumerate(ev.datasets):
+        where = f"eval.datasets[{i}]"
+        if not ds.name or "/" in ds.name or ds.name in seen or ds.name == "eval":
+            raise ConfigError(
+                f"{where}.name: {ds.name!r} must be a non-empty, unique name without '/'."
+            )
+        seen.add(ds.name)
+        n = ds.n_samples if ds.n_samples is not None else ev.n_samples
+        ks = ds.pass_k if ds.pass_k is not None else ev.pass_k
+        sets.append((where, n, ks))
+    for where, n, ks in sets:
+        if n < 1:
+            raise ConfigError(f"{where}.n_samples: must be >= 1, got {n}.")
+        bad = [k for k in ks if not 1 <= k <= n]
+        if bad:
+            raise ConfigError(
+                f"{where}.pass_k: {bad} outside 1..n_samples ({n}); raise n_samples or drop them."
+            )

@@ -55,6 +55,7 @@ from rl_trainer.checkpoint import (
     write_checkpoint,
 )
 from rl_trainer.config import TrainerConfig
+from rl_trainer.evaluation import build_eval_sets
 from rl_trainer.metrics import MetricsLogger
 from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.rollout import RolloutStats, Scorer, filter_groups, generate_groups
@@ -162,21 +163,11 @@ class Trainer:
             field="data.train",
             tokenizer=self.tokenizer,
         )
-        self.eval_data = (
+        eval_data = (
             registry.build("data_source", eval_spec, field="data.eval", tokenizer=self.tokenizer)
             if eval_spec is not None
             else None
         )
-        self.eval_prompts: list[Prompt] = []
-        if self.eval_data is not None:
-            n = (
-                len(self.eval_data)
-                if cfg.eval.max_prompts is None
-                else min(cfg.eval.max_prompts, len(self.eval_data))
-            )
-            self.eval_prompts = self.eval_data.next_prompts(
-                n
-            )  # the same held-out prompts every time
         if cfg.reward is not None:
             reward_fn = registry.build("reward", cfg.reward, field="reward")
         elif task is not None:
@@ -187,6 +178,9 @@ class Trainer:
             )
         registry.check_callable(reward_fn, object, field="reward", n_args=3)
         self.scorer = Scorer(reward_fn, self.tokenizer)
+        self.eval_sets = build_eval_sets(
+            cfg.eval, default_source=eval_data, default_reward=reward_fn, tokenizer=self.tokenizer
+        )
         self.filters = [
             registry.build("filter", f, field=f"rollout.filters[{i}]")
             for i, f in enumerate(cfg.rollout.filters)
@@ -637,24 +631,24 @@ class Trainer:
             generate_fn=self.generate_fn,
         )
 
+    def _eval_due(self, step: int) -> bool:
+        """Whether any eval set is evaluated after RL step ``step``."""
+        return any(s.due(step, self.config.rl.steps) for s in self.eval_sets)
+
     async def evaluate(self, step: int) -> dict[str, float]:
-        """Sample the held-out prompts and average every reward component."""
-        if not self.eval_prompts:
-            return {}
-        cfg = self.config.eval
-        prompts = self.eval_prompts
-        groups = await self._generate(
-            prompts, cfg.sampling.to_params(), cfg.n_samples, (self.config.seed, "eval", step)
-        )
-        await self.scorer.score(groups, RolloutStats())
-        rs = [r for g in groups for r in g.rollouts]
-        out = {
-            "eval/reward_mean": _mean(
-                [float(r.reward) if r.reward is not None else 0.0 for r in rs]
+        """Sample and score every eval set due at ``step``; the same prompts every time."""
+        out: dict[str, float] = {}
+        for eval_set in self.eval_sets:
+            if not eval_set.prompts or not eval_set.due(step, self.config.rl.steps):
+                continue
+            seed_parts: tuple[Any, ...] = (self.config.seed, "eval", step)
+            if eval_set.name is not None:
+                seed_parts = (self.config.seed, "eval", eval_set.name, step)
+            groups = await self._generate(
+                eval_set.prompts, eval_set.sampling, eval_set.n_samples, seed_parts
             )
-        }
-        for key in sorted({k for r in rs for k in r.reward_info} - {"reward"}):
-            out[f"eval/{key}_mean"] = _mean([r.reward_info.get(key, 0.0) for r in rs])
+            await eval_set.scorer.score(groups, RolloutStats())
+            out.update(eval_set.metrics(groups))
         return out
 
     # ----------------------------------------------------------------------------- async mode
@@ -766,9 +760,7 @@ class Trainer:
             while self.state["rl_step"] < cfg.rl.steps:
                 rec = await self._rl_step()
                 step = self.state["rl_step"]
-                eval_due = bool(cfg.eval.every) and (
-                    step % cfg.eval.every == 0 or step == cfg.rl.steps
-                )
+                eval_due = self._eval_due(step)
                 if self.pipeline is not None and (eval_due or due()):
                     # Quiesce: the rounds before this version are done, the generator is idle.
                     await self.pipeline.drain(self.policy.version)

@@ -1,0 +1,127 @@
+"""Evaluation sets: which prompts, how to sample and score them, when, and what to report.
+
+The held-out split (the task's eval split or ``data.eval``) is the default set and reports
+under ``eval/`` (``eval/reward_mean``, ``eval/accuracy``, ``eval/pass@k``, one
+``eval/<component>_mean`` per reward component). Each entry of ``eval.datasets`` is another set
+with its own prompts, reward, sampling, samples per prompt, pass@k and schedule, reporting
+under ``eval/<name>/``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rl_core import registry
+from rl_core.evaluation import summarize_eval
+from rl_core.interfaces import DataSource, RewardFn, Tokenizer
+from rl_core.types import Group, Prompt, SamplingParams
+from rl_trainer.config import EvalConfig
+from rl_trainer.rollout import Scorer
+
+__all__ = ["EvalSet", "build_eval_sets"]
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSet:
+    """One evaluation dataset, resolved from the config."""
+
+    name: str | None
+    """``None`` for the default held-out set, else the dataset's name."""
+    prompts: list[Prompt]
+    """The same prompts every time."""
+    scorer: Scorer
+    """Applies the set's reward function."""
+    sampling: SamplingParams
+    """Sampling for every request of this set."""
+    n_samples: int
+    """Samples per prompt."""
+    pass_k: list[int]
+    """pass@k values to report."""
+    threshold: float
+    """Reward at or above which a sample is correct."""
+    every: int
+    """Evaluate every N RL steps (and at RL step 0 and the last step); 0: only at step 0."""
+
+    @property
+    def prefix(self) -> str:
+        """Metric name prefix (``eval/`` or ``eval/<name>/``)."""
+        return "eval/" if self.name is None else f"eval/{self.name}/"
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether this set is evaluated after RL step ``step`` (0 = before any update)."""
+        if step == 0:
+            return True
+        return bool(self.every) and (step % self.every == 0 or step == last_step)
+
+    def metrics(self, groups: Sequence[Group]) -> dict[str, float]:
+        """Reward mean, accuracy, pass@k and per-component means of scored groups.
+
+        Failed rollouts score 0 and count as incorrect.
+        """
+        summary = summarize_eval(
+            [[r.reward for r in g.rollouts] for g in groups],
+            ks=self.pass_k,
+            threshold=self.threshold,
+        )
+        out = {f"{self.prefix}{k}": v for k, v in summary.items()}
+        rollouts = [r for g in groups for r in g.rollouts]
+        for key in sorted({k for r in rollouts for k in r.reward_info} - {"reward"}):
+            values = [r.reward_info.get(key, 0.0) for r in rollouts]
+            out[f"{self.prefix}{key}_mean"] = math.fsum(values) / len(values)
+        return out
+
+
+def _take_prompts(source: DataSource, max_prompts: int | None) -> list[Prompt]:
+    n = len(source) if max_prompts is None else min(max_prompts, len(source))
+    return source.next_prompts(n)
+
+
+def build_eval_sets(
+    cfg: EvalConfig,
+    *,
+    default_source: DataSource | None,
+    default_reward: RewardFn,
+    tokenizer: Tokenizer,
+) -> list[EvalSet]:
+    """Resolve the eval section: the default held-out set (when there is a source) and every
+    ``cfg.datasets`` entry, building their data sources and rewards through the registry."""
+    sets: list[EvalSet] = []
+    if default_source is not None:
+        sets.append(
+            EvalSet(
+                name=None,
+                prompts=_take_prompts(default_source, cfg.max_prompts),
+                scorer=Scorer(default_reward, tokenizer),
+                sampling=cfg.sampling.to_params(),
+                n_samples=cfg.n_samples,
+                pass_k=list(cfg.pass_k),
+                threshold=cfg.correct_threshold,
+                every=cfg.every,
+            )
+        )
+    for i, ds in enumerate(cfg.datasets):
+        where = f"eval.datasets[{i}]"
+        source = registry.build("data_source", ds.data, field=f"{where}.data", tokenizer=tokenizer)
+        reward = default_reward
+        if ds.reward is not None:
+            reward = registry.build("reward", ds.reward, field=f"{where}.reward")
+            registry.check_callable(reward, object, field=f"{where}.reward", n_args=3)
+        sets.append(
+            EvalSet(
+                name=ds.name,
+                prompts=_take_prompts(source, ds.max_prompts),
+                scorer=Scorer(reward, tokenizer),
+                sampling=(ds.sampling or cfg.sampling).to_params(),
+                n_samples=ds.n_samples if ds.n_samples is not None else cfg.n_samples,
+                pass_k=list(ds.pass_k if ds.pass_k is not None else cfg.pass_k),
+                threshold=(
+                    ds.correct_threshold
+                    if ds.correct_threshold is not None
+                    else cfg.correct_threshold
+                ),
+                every=ds.every if ds.every is not None else cfg.every,
+            )
+        )
+    return sets

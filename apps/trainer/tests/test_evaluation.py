@@ -1,0 +1,119 @@
+"""Evaluation sets: several datasets, per-dataset sampling/reward/schedule, pass@k."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_core.errors import ConfigError
+from rl_trainer.config import load_trainer_config
+from rl_trainer.loop import Trainer
+
+
+def _recipe(run_dir, **eval_section):
+    return {
+        "run_dir": str(run_dir),
+        "seed": 5,
+        "model": {
+            "init": {
+                "arch": "qwen2",
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "num_kv_heads": 1,
+                "intermediate_size": 64,
+            }
+        },
+        "task": {"type": "reverse", "n_train": 64, "n_eval": 6, "min_len": 2, "max_len": 3},
+        "rollout": {
+            "prompts_per_step": 2,
+            "n_samples": 2,
+            "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+        },
+        "rl": {"steps": 2},
+        "eval": eval_section,
+        "logging": {"tensorboard": False, "progress": False},
+    }
+
+
+def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path):
+    run_dir = tmp_path / "run"
+    eval_file = run_dir / "data" / "eval.jsonl"  # written by the task before the sets are built
+    cfg = load_trainer_config(
+        _recipe(
+            run_dir,
+            every=1,
+            datasets=[
+                {
+                    "name": "sampled",
+                    "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
+                    "n_samples": 4,
+                    "pass_k": [1, 2, 4],
+                    "correct_threshold": 0.5,
+                    "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+                    "every": 2,
+                },
+                {
+                    "name": "const",
+                    "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
+                    "max_prompts": 3,
+                    "reward": {"type": "tests_eval_reward:constant"},
+                    "every": 0,
+                },
+            ],
+        )
+    )
+    import sys
+    import types
+
+    mod = types.ModuleType("tests_eval_reward")
+    mod.constant = lambda prompt, response, rollout: 0.25
+    sys.modules["tests_eval_reward"] = mod
+    try:
+        records = Trainer(cfg).run()
+    finally:
+        del sys.modules["tests_eval_reward"]
+    by_step = {r["step"]: r for r in records if r["phase"] == "rl" and "eval/reward_mean" in r}
+    assert sorted(by_step) == [0, 1, 2]
+    # step 0: every set; step 1: only the default set (every=1); step 2 (last): default + sampled
+    assert "eval/sampled/pass@4" in by_step[0] and "eval/const/reward_mean" in by_step[0]
+    assert not any(k.startswith(("eval/sampled/", "eval/const/")) for k in by_step[1])
+    assert "eval/sampled/pass@1" in by_step[2] and "eval/const/reward_mean" not in by_step[2]
+    # the dataset's own reward, not the task's
+    assert by_step[0]["eval/const/reward_mean"] == pytest.approx(0.25)
+    assert by_step[0]["eval/const/accuracy"] == 0.0  # 0.25 < default threshold 1.0
+    for step in (0, 2):
+        rec = by_step[step]
+        p1, p2, p4 = (rec[f"eval/sampled/pass@{k}"] for k in (1, 2, 4))
+        assert 0.0 <= p1 <= p2 <= p4 <= 1.0
+        # pass@1 is the per-sample accuracy when every prompt has the same n
+        assert p1 == pytest.approx(rec["eval/sampled/accuracy"])
+        assert 0.0 <= rec["eval/sampled/exact_mean"] <= p1  # exact implies >= 0.5
+    assert "eval/pass@1" not in by_step[0]  # the default set reports pass@k only if asked
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"n_samples": 2, "pass_k": [4]}, r"eval.pass_k: \[4\] outside 1..n_samples \(2\)"),
+        (
+            {"datasets": [{"name": "a/b", "data": {"type": "jsonl", "path": "x"}}]},
+            r"eval.datasets\[0\].name",
+        ),
+        (
+            {
+                "datasets": [
+                    {"name": "a", "data": {"type": "jsonl", "path": "x"}},
+                    {"name": "a", "data": {"type": "jsonl", "path": "x"}},
+                ]
+            },
+            r"eval.datasets\[1\].name: 'a' must be a non-empty, unique name",
+        ),
+        (
+            {"pass_k": [8], "datasets": [{"name": "a", "data": {"type": "jsonl", "path": "x"}}]},
+            r"eval.pass_k",
+        ),
+    ],
+)
+def test_eval_config_errors_name_the_field(tmp_path, section, message):
+    with pytest.raises(ConfigError, match=message):
+        load_trainer_config(_recipe(tmp_path, **section))
