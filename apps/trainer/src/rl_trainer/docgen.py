@@ -55,6 +55,19 @@ def _default(f: dataclasses.Field) -> str:
     return "required"
 
 
+def _config_classes(tp: Any) -> list[tuple[type, str]]:
+    """The config dataclasses a field type holds: itself, ``X | None`` or ``list[X]`` (with a
+    ``[]`` suffix for list items)."""
+    if dataclasses.is_dataclass(tp) and tp.__module__ == config_module.__name__:
+        return [(tp, "")]
+    suffix = "[]" if typing.get_origin(tp) is list else ""
+    return [
+        (a, suffix)
+        for a in typing.get_args(tp)
+        if dataclasses.is_dataclass(a) and a.__module__ == config_module.__name__
+    ]
+
+
 def render() -> str:
     """The Markdown reference of :class:`rl_trainer.config.TrainerConfig`."""
     out = [
@@ -83,8 +96,9 @@ def render() -> str:
             out.append(
                 f"| `{f.name}` | `{_type_str(tp)}` | `{_default(f)}` | {docs.get(f.name, '')} |"
             )
-            if dataclasses.is_dataclass(tp) and tp.__module__ == config_module.__name__:
-                nested.append((tp, f"{prefix}.{f.name}" if prefix else f.name))
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            for inner, suffix in _config_classes(tp):
+                nested.append((inner, name + suffix))
         out.append("")
         for tp, p in nested:
             section(tp, p)
