@@ -24,6 +24,7 @@ EXPECTED = {
     "ReinforcePP",
     "ReinforcePPBaseline",
     "SFTLoss",
+    "ValueLoss",
     "compute_gae",
     "compute_loss_weights",
     "distillation_advantages",

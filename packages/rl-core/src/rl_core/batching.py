@@ -15,7 +15,7 @@ import torch
 
 from rl_core.types import Rollout, TrainBatch
 
-__all__ = ["pack_rollouts", "plan_micro_batches", "scatter_response"]
+__all__ = ["gather_response", "pack_rollouts", "plan_micro_batches", "scatter_response"]
 
 
 def scatter_response(
@@ -34,6 +34,19 @@ def scatter_response(
         parts.append(torch.zeros(r.response_start, dtype=torch.float32))
         parts.append(v_R)
     return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def gather_response(rollouts: Sequence[Rollout], x_T: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of :func:`scatter_response`: each rollout's response slice ``[R_i]`` of a
+    packed ``[T]`` tensor (rollouts in packing order)."""
+    total = sum(len(r.tokens) for r in rollouts)
+    if x_T.shape != (total,):
+        raise ValueError(f"gather_response: got {tuple(x_T.shape)} for {total} packed tokens.")
+    out, start = [], 0
+    for r in rollouts:
+        out.append(x_T[start + r.response_start : start + len(r.tokens)])
+        start += len(r.tokens)
+    return out
 
 
 def pack_rollouts(

@@ -47,6 +47,7 @@ from rl_core.types import (
 __all__ = [
     "AdvantageFn",
     "Buffer",
+    "Critic",
     "DataSource",
     "GenerateFn",
     "Generator",
@@ -57,6 +58,7 @@ __all__ = [
     "RewardFn",
     "RolloutContext",
     "Tokenizer",
+    "ValueLossFn",
     "WeightTarget",
     "WeightTransport",
 ]
@@ -128,6 +130,41 @@ class Policy(abc.ABC):
 
     def onload(self) -> None:  # noqa: B027 - optional capability
         """Undo :meth:`offload`; default no-op."""
+
+
+class Critic(abc.ABC):
+    """A value model for PPO with a critic: per-token values and optimizer steps on a value loss.
+
+    ``compute_values`` follows the log-prob alignment of :class:`TrainBatch`: ``values[t]``
+    estimates the return from ``tokens[t]`` on, given ``tokens[<t]`` of the same sequence (so it
+    is read off the hidden state of ``tokens[t-1]``); the first token of every sequence gets 0.
+    Versions count optimizer steps, like :attr:`Policy.version`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The number of optimizer steps applied since the initial weights."""
+
+    @abc.abstractmethod
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Values ``[T]`` (float32) of ``batch`` without gradients."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        """One optimizer step over all micro-batches of ``batch`` on ``loss_fn``.
+
+        Returns at least ``loss`` and ``grad_norm`` plus the sums of the loss function's
+        metrics over micro-batches.
+        """
+
+    @abc.abstractmethod
+    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Write weights (with the value head) and, optionally, optimizer state."""
+
+    @abc.abstractmethod
+    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Restore what :meth:`save` wrote, version included."""
 
 
 class WeightTarget(Protocol):
@@ -383,4 +420,13 @@ class LossFn(Protocol):
         self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None
     ) -> LossOutput:
         """``logprobs`` ``[T]`` carries gradients; return the weighted loss and metrics."""
+        ...
+
+
+@runtime_checkable
+class ValueLossFn(Protocol):
+    """The critic's objective for one micro-batch (see :class:`Critic`)."""
+
+    def __call__(self, values: torch.Tensor, batch: TrainBatch) -> LossOutput:
+        """``values`` ``[T]`` carries gradients; return the weighted loss and metrics."""
         ...

@@ -31,6 +31,7 @@ __all__ = [
 
 GROUPS: dict[str, str] = {
     "policy": "rl.policies",
+    "critic": "rl.critics",
     "generator": "rl.generators",
     "buffer": "rl.buffers",
     "data_source": "rl.data_sources",

@@ -314,6 +314,11 @@ class TrainBatch:
     """``[T]`` float32 log-probs returned by the sampling engine, for mismatch correction."""
     versions: torch.Tensor | None = None
     """``[T]`` int64 policy version of each token (-1 for prompt tokens)."""
+    old_values: torch.Tensor | None = None
+    """``[T]`` float32 critic values before this step's critic update (PPO with a critic):
+    ``old_values[t]`` estimates the return from ``tokens[t]`` on, given ``tokens[<t]``."""
+    returns: torch.Tensor | None = None
+    """``[T]`` float32 critic targets (GAE returns; 0 off the mask)."""
     sample_ids: tuple[str, ...] = ()
     """``[N]`` ``Rollout.sample_id`` of each sequence."""
     micro_batch_bounds: tuple[int, ...] = ()
@@ -331,6 +336,8 @@ class TrainBatch:
             "ref_logprobs",
             "rollout_logprobs",
             "versions",
+            "old_values",
+            "returns",
         ):
             v = getattr(self, name)
             if v is not None and v.shape != (t,):
@@ -377,6 +384,8 @@ class TrainBatch:
                     ref_logprobs=cut(self.ref_logprobs),
                     rollout_logprobs=cut(self.rollout_logprobs),
                     versions=cut(self.versions),
+                    old_values=cut(self.old_values),
+                    returns=cut(self.returns),
                     sample_ids=self.sample_ids[a:b],
                 )
             )

@@ -52,6 +52,7 @@ from rl_core.algorithms.losses import (
     DistillationLoss,
     PolicyLoss,
     SFTLoss,
+    ValueLoss,
     distillation_advantages,
     value_loss,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "ReinforcePP",
     "ReinforcePPBaseline",
     "SFTLoss",
+    "ValueLoss",
     "compute_gae",
     "compute_loss_weights",
     "distillation_advantages",

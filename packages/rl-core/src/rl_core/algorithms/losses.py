@@ -403,9 +403,58 @@ def value_loss(
     return loss, clipfrac
 
 
+class ValueLoss:
+    """The critic's loss (a :class:`~rl_core.interfaces.ValueLossFn`): clipped squared error
+    to ``TrainBatch.returns`` around ``TrainBatch.old_values``, weighted by
+    ``TrainBatch.loss_weights`` (see :func:`value_loss`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of :class:`ValueLoss`."""
+
+        clip: float | None = 0.2
+        """Value clipping range around the old values; ``None`` turns clipping off."""
+
+        def __post_init__(self) -> None:
+            if self.clip is not None and not self.clip > 0:
+                raise ConfigError(
+                    f"ValueLoss.Config.clip: must be > 0 or null (off), got {self.clip}."
+                )
+
+    def __init__(self, config: ValueLoss.Config | None = None) -> None:
+        self.config = config or ValueLoss.Config()
+
+    def __call__(self, values: torch.Tensor, batch: TrainBatch) -> LossOutput:
+        """Metrics ``value_loss``, ``value_clipfrac``, ``value_mean``, ``value_error`` (weighted
+        mean absolute error to the returns)."""
+        if batch.returns is None or batch.old_values is None:
+            raise ConfigError(
+                "ValueLoss: TrainBatch.returns and TrainBatch.old_values must be set (GAE "
+                "returns and the critic's values before the step)."
+            )
+        if values.shape != batch.loss_mask.shape:
+            raise ValueError(
+                f"ValueLoss: values {tuple(values.shape)} vs batch {tuple(batch.loss_mask.shape)}."
+            )
+        on_T = batch.loss_mask > 0
+        w_T = batch.loss_weights.to(values.dtype) * on_T
+        values_T = _masked(values, on_T)
+        returns_T = batch.returns.to(values.dtype)
+        old_T = batch.old_values.to(values.dtype)
+        loss, clipfrac = value_loss(values_T, old_T, returns_T, w_T, self.config.clip)
+        metrics = {
+            "value_loss": float(loss.detach()),
+            "value_clipfrac": float(clipfrac),
+            "value_mean": _wsum(values_T.detach(), w_T),
+            "value_error": _wsum((values_T.detach() - returns_T).abs(), w_T),
+        }
+        return LossOutput(loss=loss, metrics=metrics)
+
+
 LOSSES: dict[str, type] = {
     "policy": PolicyLoss,
     "sft": SFTLoss,
     "distill": DistillationLoss,
+    "value": ValueLoss,
 }
 """Registry name -> loss class (each has a nested ``Config``)."""

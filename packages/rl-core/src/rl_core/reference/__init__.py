@@ -16,6 +16,7 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "HFCritic",
     "HFGenerator",
     "HFPolicy",
     "TinyModelSpec",
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "HFCritic": "rl_core.reference.critic",
     "HFGenerator": "rl_core.reference.generator",
     "HFPolicy": "rl_core.reference.policy",
     "TinyModelSpec": "rl_core.reference.tiny",

@@ -193,7 +193,7 @@ class HFPolicy(Policy):
         """The tokenizer saved with the model (``AutoTokenizer`` of ``model_path``)."""
         self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self._version = 0
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(  # state is allocated lazily, at the first step
             self._params,
             lr=config.lr,
@@ -206,6 +206,10 @@ class HFPolicy(Policy):
             self.optimizer,
             lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
         )
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (subclasses add their heads)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _load_tokenizer(self, path: Path) -> Any:
         from transformers import AutoTokenizer
@@ -269,12 +273,30 @@ class HFPolicy(Policy):
 
     # ------------------------------------------------------------------ forward
 
+    def _packed_inputs(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``position_ids_T`` and the keyword arguments of one packed forward (one row of ``T``
+        tokens, positions reset per sequence, attention confined to each sequence)."""
+        from rl_core.reference._packed_attention import PackingInfo
+
+        tokens_T = batch.tokens.to(self.device)
+        position_ids_T = batch.position_ids().to(self.device)
+        kwargs: dict[str, Any] = {
+            "input_ids": tokens_T[None],
+            "position_ids": position_ids_T[None],
+            "attention_mask": None,
+            "use_cache": False,
+        }
+        if self.config.attn_implementation == "sdpa":
+            cu_N1 = batch.cu_seqlens.to(self.device)
+            kwargs["rl_packing"] = PackingInfo.build(
+                batch.seq_index().to(self.device), position_ids_T, cu_N1[1:] - cu_N1[:-1]
+            )
+        return position_ids_T, kwargs
+
     def _packed_logprobs(
         self, batch: TrainBatch, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed forward of one micro-batch; ``logp_T`` (and ``entropy_T``) on the model device."""
-        from rl_core.reference._packed_attention import PackingInfo
-
         tokens_T = batch.tokens.to(self.device)
         if tokens_T.shape[0] == 0:
             return token_logprobs(
@@ -283,20 +305,8 @@ class HFPolicy(Policy):
                 tokens_T.bool(),
                 with_entropy=with_entropy,
             )
-        position_ids_T = batch.position_ids().to(self.device)
-        kwargs: dict[str, Any] = {}
-        if self.config.attn_implementation == "sdpa":
-            cu_N1 = batch.cu_seqlens.to(self.device)
-            kwargs["rl_packing"] = PackingInfo.build(
-                batch.seq_index().to(self.device), position_ids_T, cu_N1[1:] - cu_N1[:-1]
-            )
-        logits_1TV = self.model(
-            input_ids=tokens_T[None],
-            position_ids=position_ids_T[None],
-            attention_mask=None,
-            use_cache=False,
-            **kwargs,
-        ).logits
+        position_ids_T, kwargs = self._packed_inputs(batch)
+        logits_1TV = self.model(**kwargs).logits
         return token_logprobs(
             logits_1TV[0],
             tokens_T,
