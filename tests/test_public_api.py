@@ -59,6 +59,7 @@ def test_rl_core_surface_is_pinned():
     assert set(rl_core.interfaces.__all__) == {
         "AdvantageFn",
         "Buffer",
+        "Critic",
         "DataSource",
         "GenerateFn",
         "Generator",
@@ -69,6 +70,7 @@ def test_rl_core_surface_is_pinned():
         "RewardFn",
         "RolloutContext",
         "Tokenizer",
+        "ValueLossFn",
         "WeightTarget",
         "WeightTransport",
     }
