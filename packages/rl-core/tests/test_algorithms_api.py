@@ -25,6 +25,7 @@ EXPECTED = {
     "ReinforcePPBaseline",
     "SFTLoss",
     "ValueLoss",
+    "ValueObjective",
     "compute_gae",
     "compute_loss_weights",
     "distillation_advantages",

@@ -53,6 +53,7 @@ from rl_core.algorithms.losses import (
     PolicyLoss,
     SFTLoss,
     ValueLoss,
+    ValueObjective,
     distillation_advantages,
     value_loss,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "ReinforcePPBaseline",
     "SFTLoss",
     "ValueLoss",
+    "ValueObjective",
     "compute_gae",
     "compute_loss_weights",
     "distillation_advantages",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +49,9 @@ from rl_core.algorithms.correction import (
 )
 from rl_core.algorithms.kl import KL_KINDS, kl_estimate
 from rl_core.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from rl_core.interfaces import ValueLossFn
 from rl_core.types import LossOutput, TrainBatch
 
 __all__ = [
@@ -449,6 +453,23 @@ class ValueLoss:
             "value_error": _wsum((values_T.detach() - returns_T).abs(), w_T),
         }
         return LossOutput(loss=loss, metrics=metrics)
+
+
+class ValueObjective:
+    """Adapts a :class:`~rl_core.interfaces.ValueLossFn` to the :class:`LossFn` signature, so
+    a critic can reuse a policy's training loop: the per-token output the loop computes (the
+    values) goes to ``loss_fn(values, batch)``; no entropy is asked for."""
+
+    requires_entropy = False
+
+    def __init__(self, loss_fn: ValueLossFn) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(
+        self, values: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
+    ) -> LossOutput:
+        """``loss_fn(values, batch)``."""
+        return self.loss_fn(values, batch)
 
 
 LOSSES: dict[str, type] = {

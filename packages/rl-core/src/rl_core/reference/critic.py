@@ -20,29 +20,16 @@ from pathlib import Path
 
 import torch
 
+from rl_core.algorithms.losses import ValueObjective
 from rl_core.errors import CheckpointError
 from rl_core.interfaces import Critic, ValueLossFn
 from rl_core.reference.policy import HFPolicy
-from rl_core.types import LogProbOutput, LossOutput, TrainBatch
+from rl_core.types import LogProbOutput, TrainBatch
 
 __all__ = ["HEAD_FILE", "HFCritic"]
 
 HEAD_FILE = "value_head.pt"
 """File name of the value head's weights inside a saved critic directory."""
-
-
-class _ValueObjective:
-    """Adapts a :class:`ValueLossFn` to the policy training loop's loss signature."""
-
-    requires_entropy = False
-
-    def __init__(self, loss_fn: ValueLossFn) -> None:
-        self.loss_fn = loss_fn
-
-    def __call__(
-        self, values: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None
-    ) -> LossOutput:
-        return self.loss_fn(values, batch)
 
 
 class HFCritic(HFPolicy, Critic):
@@ -91,7 +78,7 @@ class HFCritic(HFPolicy, Critic):
 
     def train_step(self, batch: TrainBatch, loss_fn: ValueLossFn) -> dict[str, float]:  # type: ignore[override]
         """One AdamW step of the model and the value head on ``loss_fn(values, batch)``."""
-        return super().train_step(batch, _ValueObjective(loss_fn))
+        return super().train_step(batch, ValueObjective(loss_fn))
 
     def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
         """The policy checkpoint (Hugging Face directory, optimizer) plus :data:`HEAD_FILE`."""
