@@ -3,7 +3,7 @@
 Run as ``python _dist_worker.py OUT_DIR MODELS_JSON`` with ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` set. Both ranks go through the same scenarios (DP=2 with and
 without the distributed optimizer, TP=2 for each model family, PP=2, a checkpoint reloaded across a
-change of layout, PP=2); rank 0 writes everything the tests compare to ``OUT_DIR/results.pt``.
+change of layout, PP=2, the critic at TP=2 and PP=2); rank 0 writes everything the tests compare to ``OUT_DIR/results.pt``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from rl_core.algorithms import PolicyLoss
+from rl_core.algorithms import PolicyLoss, ValueLoss
 from rl_core.errors import CheckpointError
 from rl_core.testing.policy import random_batch, sft_loss
 from rl_core.types import TrainBatch
+from rl_megatron.critic import MegatronCritic
 from rl_megatron.policy import MegatronPolicy
 
 LENGTHS = [5, 8, 3, 6, 4, 7]
@@ -59,6 +60,18 @@ def rl_batch(policy: MegatronPolicy) -> TrainBatch:
         old_logprobs=torch.where(on_T, logp_T + noise[1], 0.0),
         ref_logprobs=torch.where(on_T, logp_T + noise[2], 0.0),
     )
+
+
+def value_loss() -> ValueLoss:
+    """The critic's clipped value loss used by the critic scenarios."""
+    return ValueLoss(ValueLoss.Config(clip=0.5))
+
+
+def critic_targets(batch: TrainBatch, critic: Any) -> TrainBatch:
+    """Returns of +1 / -1 by sequence parity around the critic's current values."""
+    seq = batch.seq_index()
+    returns_T = torch.where(seq % 2 == 0, 1.0, -1.0) * batch.loss_mask
+    return dataclasses.replace(batch, returns=returns_T, old_values=critic.compute_values(batch))
 
 
 def snapshot(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
@@ -209,6 +222,23 @@ def main() -> None:
     res["relayout/logprobs"] = policy.compute_logprobs(
         global_batch(policy.model_shape.vocab_size)
     ).logprobs
+
+    del policy
+    gc.collect()
+
+    # ------------------------------- the critic (value head) at TP=2 and PP=2: two value steps
+    for layout in ("tp", "pp"):
+        critic = MegatronCritic(
+            MegatronCritic.Config(model_path=models["qwen2"], lr=1e-2, **{f"{layout}_size": 2})
+        )
+        batch = global_batch(critic.model_shape.vocab_size)
+        steps = [critic.train_step(critic_targets(batch, critic), value_loss()) for _ in range(2)]
+        res[f"critic_{layout}2/metrics"] = steps
+        values = critic.compute_values(batch)
+        res[f"critic_{layout}2/values"] = values
+        res[f"critic_{layout}2/ranks_equal"] = bool(torch.equal(*gather_to_all(values)))
+        del critic
+        gc.collect()
 
     if torch.distributed.get_rank() == 0:
         torch.save(res, out_dir / "results.pt")
