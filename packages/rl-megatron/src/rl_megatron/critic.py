@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from rl_core.algorithms.losses import ValueObjective
+from rl_core.critics import PolicyCriticMixin
 from rl_core.errors import CheckpointError
-from rl_core.interfaces import Critic, ValueLossFn
-from rl_core.types import LogProbOutput, TrainBatch
+from rl_core.interfaces import Critic
 from rl_megatron.policy import MegatronPolicy
 
 __all__ = ["HEAD_FILE", "MegatronCritic"]
@@ -32,7 +31,7 @@ HEAD_FILE = "value_head.pt"
 :data:`rl_core.reference.critic.HEAD_FILE`, so the two backends read each other's heads)."""
 
 
-class MegatronCritic(MegatronPolicy, Critic):
+class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):
     """A value model on megatron-core at any TP/PP/DP layout MegatronPolicy supports.
 
     Values follow :class:`~rl_core.interfaces.Critic`'s alignment (``values[t]`` from the hidden
@@ -78,20 +77,6 @@ class MegatronCritic(MegatronPolicy, Critic):
         zero_T = torch.zeros(tokens_T.shape[0], dtype=torch.float32, device=tokens_T.device)
         values_S = logits_NLV.reshape(-1).index_select(0, prep["source_S"]).float()
         return zero_T.masked_scatter(scored_T, values_S), None
-
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Values ``[T]`` (float32) without gradients; the same on every rank (collective)."""
-        return self.compute_logprobs(batch).logprobs
-
-    def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
-        """The values in ``logprobs`` (a critic has no log-probs); ``entropy`` is ``None``."""
-        out = super().compute_logprobs(batch, with_entropy=False)
-        return LogProbOutput(logprobs=out.logprobs, entropy=None)
-
-    def train_step(self, batch: TrainBatch, loss_fn: ValueLossFn) -> dict[str, float]:  # type: ignore[override]
-        """One optimizer step of the model and the value head on ``loss_fn(values, batch)``
-        (collective; reductions as in :meth:`MegatronPolicy.train_step`)."""
-        return super().train_step(batch, ValueObjective(loss_fn))
 
     def _head_writer(self) -> bool:
         return self.value_head is not None and self.layout.tp_rank == 0 and self.layout.dp_rank == 0

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from rl_core.algorithms.losses import ValueObjective
+from rl_core.critics import PolicyCriticMixin
 from rl_core.errors import CheckpointError
-from rl_core.interfaces import Critic, ValueLossFn
+from rl_core.interfaces import Critic
 from rl_core.reference.policy import HFPolicy
-from rl_core.types import LogProbOutput, TrainBatch
+from rl_core.types import TrainBatch
 
 __all__ = ["HEAD_FILE", "HFCritic"]
 
@@ -32,7 +32,7 @@ HEAD_FILE = "value_head.pt"
 """File name of the value head's weights inside a saved critic directory."""
 
 
-class HFCritic(HFPolicy, Critic):
+class HFCritic(PolicyCriticMixin, HFPolicy, Critic):
     """A value model on a Hugging Face causal LM directory (the policy's, typically).
 
     Values follow :class:`~rl_core.interfaces.Critic`'s alignment: ``values[t]`` is read off the
@@ -66,19 +66,6 @@ class HFCritic(HFPolicy, Critic):
         v_T = self.value_head(hidden_1TH[0].float()).squeeze(-1)  # value after token t
         shifted_T = torch.cat([v_T.new_zeros(1), v_T[:-1]])  # value before token t
         return torch.where(position_ids_T == 0, 0.0, shifted_T), None
-
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        """Values ``[T]`` (float32, on the device of ``batch.tokens``) without gradients."""
-        return self.compute_logprobs(batch).logprobs
-
-    def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
-        """The values in ``logprobs`` (a critic has no log-probs); ``entropy`` is ``None``."""
-        out = super().compute_logprobs(batch, with_entropy=False)
-        return LogProbOutput(logprobs=out.logprobs, entropy=None)
-
-    def train_step(self, batch: TrainBatch, loss_fn: ValueLossFn) -> dict[str, float]:  # type: ignore[override]
-        """One AdamW step of the model and the value head on ``loss_fn(values, batch)``."""
-        return super().train_step(batch, ValueObjective(loss_fn))
 
     def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
         """The policy checkpoint (Hugging Face directory, optimizer) plus :data:`HEAD_FILE`."""
