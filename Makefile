@@ -8,10 +8,11 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
-EDITABLES := -e "packages/rl-core[hf,yaml,test,math]" -e "packages/rl-buffer[parquet,datasets]" -e packages/rl-weightsync \
-             -e packages/rl-sglang -e packages/rl-megatron -e apps/trainer
+EDITABLES := -e "packages/rl-core[hf,yaml,test,math,agents]" -e "packages/rl-buffer[parquet,datasets]" \
+             -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
+             -e "apps/trainer[ray]"
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup sglang-env demo test lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,10 +23,15 @@ $(VENV)/.installed: $(PKG_FILES) Makefile
 	$(PIP) install -q $(EDITABLES) "torch==2.13.0" ruff build
 	@touch $@
 
+# SGLang (its own venv, its own torch pin) and the CPU stub driver, cached under
+# $RL_SGLANG_HOME (default ~/.cache/rl-sglang): ~15 min the first time, ~1 s afterwards.
+sglang-env:
+	bash packages/rl-sglang/scripts/setup_sglang_env.sh
+
 demo: setup
 	$(BIN)/rl-train run demo
 
-test: setup
+test: setup sglang-env
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

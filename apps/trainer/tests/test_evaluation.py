@@ -9,57 +9,34 @@ from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
 
 
-def _recipe(run_dir, **eval_section):
-    return {
-        "run_dir": str(run_dir),
-        "seed": 5,
-        "model": {
-            "init": {
-                "arch": "qwen2",
-                "hidden_size": 32,
-                "num_layers": 1,
-                "num_heads": 2,
-                "num_kv_heads": 1,
-                "intermediate_size": 64,
-            }
-        },
-        "task": {"type": "reverse", "n_train": 64, "n_eval": 6, "min_len": 2, "max_len": 3},
-        "rollout": {
-            "prompts_per_step": 2,
-            "n_samples": 2,
-            "sampling": {"temperature": 1.0, "max_new_tokens": 4},
-        },
-        "rl": {"steps": 2},
-        "eval": eval_section,
-        "logging": {"tensorboard": False, "progress": False},
-    }
-
-
-def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path):
+def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path, tiny_recipe_dict):
     run_dir = tmp_path / "run"
     eval_file = run_dir / "data" / "eval.jsonl"  # written by the task before the sets are built
     cfg = load_trainer_config(
-        _recipe(
+        tiny_recipe_dict(
             run_dir,
-            every=1,
-            datasets=[
-                {
-                    "name": "sampled",
-                    "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
-                    "n_samples": 4,
-                    "pass_k": [1, 2, 4],
-                    "correct_threshold": 0.5,
-                    "sampling": {"temperature": 1.0, "max_new_tokens": 4},
-                    "every": 2,
-                },
-                {
-                    "name": "const",
-                    "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
-                    "max_prompts": 3,
-                    "reward": {"type": "tests_eval_reward:constant"},
-                    "every": 0,
-                },
-            ],
+            seed=5,
+            eval=dict(
+                every=1,
+                datasets=[
+                    {
+                        "name": "sampled",
+                        "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
+                        "n_samples": 4,
+                        "pass_k": [1, 2, 4],
+                        "correct_threshold": 0.5,
+                        "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+                        "every": 2,
+                    },
+                    {
+                        "name": "const",
+                        "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
+                        "max_prompts": 3,
+                        "reward": {"type": "tests_eval_reward:constant"},
+                        "every": 0,
+                    },
+                ],
+            ),
         )
     )
     import sys
@@ -114,6 +91,6 @@ def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path):
         ),
     ],
 )
-def test_eval_config_errors_name_the_field(tmp_path, section, message):
+def test_eval_config_errors_name_the_field(tmp_path, tiny_recipe_dict, section, message):
     with pytest.raises(ConfigError, match=message):
-        load_trainer_config(_recipe(tmp_path, **section))
+        load_trainer_config(tiny_recipe_dict(tmp_path, eval=section))

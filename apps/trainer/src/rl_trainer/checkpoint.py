@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +62,15 @@ def write_checkpoint(
     run_dir: Path,
     step_index: int,
     *,
-    save_policy: Callable[[Path], None],
+    save_models: Mapping[str, Callable[[Path], None]],
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write checkpoint ``step_index`` atomically and prune all but the newest ``keep``."""
+    """Write checkpoint ``step_index`` atomically and prune all but the newest ``keep``.
+
+    ``save_models`` maps a sub-directory name (``policy``, ``critic``) to the function that writes
+    that model into it.
+    """
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step_index:06d}"
@@ -75,7 +79,8 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_policy(tmp / "policy")
+    for name_, save in save_models.items():
+        save(tmp / name_)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     _fsync_tree(tmp)
     (tmp / MARKER).write_text(name + "\n")

@@ -31,7 +31,9 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "RLConfig",
+    "RoleResources",
     "RolloutConfig",
+    "RuntimeConfig",
     "SFTConfig",
     "SamplingConfig",
     "TrainerConfig",
@@ -130,6 +132,9 @@ class AlgorithmConfig:
     recompute_old_logprobs: bool = False
     """Run a separate forward for old log-probs even when the data is on-policy (one optimizer
     step per rollout batch makes them equal to the current ones, so the default skips it)."""
+    value_loss: dict[str, Any] = field(default_factory=dict)
+    """Options of the critic's :class:`rl_core.algorithms.ValueLoss` (``clip``); used with
+    ``critic``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,7 +199,7 @@ class EvalDatasetConfig:
     """A sample is correct when its reward is >= this; default ``eval.correct_threshold``."""
     every: int | None = None
     """Evaluate every N RL steps (and at RL step 0 and the last step); default ``eval.every``;
-    0 evaluates only at step 0 and the end."""
+    0 evaluates only at RL step 0."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -239,6 +244,58 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RoleResources:
+    """Processes of one role on the ``ray`` runtime and what each reserves."""
+
+    count: int = 1
+    """Processes (Ray actors): SPMD ranks of the policy, or generator engines."""
+    cpus: float = 1.0
+    """CPUs reserved per process (its placement-group bundle share)."""
+    gpus: float = 0.0
+    """GPUs reserved per process."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """Where the components run: ``local`` (one process) or ``ray`` (actors in placement
+    groups; see docs/ray.md). A recipe may write just ``runtime: ray``."""
+
+    type: Literal["local", "ray"] = "local"
+    """``local``: everything in this process (the embedded default). ``ray``: policy ranks and
+    generators are Ray actors; the loop, buffer and rewards stay in this driver process."""
+    address: str | None = None
+    """Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); ``None`` starts a
+    local cluster (or uses the one this process already started)."""
+    num_cpus: int | None = None
+    """Logical CPUs of a locally started cluster (default: enough for every bundle)."""
+    layout: Literal["colocated", "disaggregated"] = "disaggregated"
+    """``disaggregated``: policy ranks and generators get separate bundles. ``colocated``:
+    generator ``i`` shares the bundle of policy rank ``i`` (``generator.count`` <=
+    ``policy.count``); in the synchronous loop the generator releases its memory while the
+    policy trains, when the backend supports it."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy of the bundles."""
+    policy: RoleResources = field(default_factory=RoleResources)
+    """Policy ranks: one torch.distributed (gloo/NCCL) world; the reference model lives in
+    the same processes."""
+    generator: RoleResources = field(default_factory=RoleResources)
+    """Generator engines; each round's requests are split across them."""
+    release_generator_memory: bool = True
+    """Colocated layout, synchronous loop: release generator memory around training (skipped
+    when the generator backend has no ``supports_memory_release``)."""
+    generate_timeout_s: float = 300.0
+    """A generator call running longer than this counts as hung: the engine is killed, its
+    requests retried on the others, and it is restarted and re-synced."""
+    max_generator_restarts: int = 3
+    """Engine restarts allowed per run before the run stops with an error."""
+    policy_timeout_s: float | None = None
+    """Stop the run (with an error naming the rank) when one policy call takes longer;
+    ``None`` waits as long as it takes."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of every actor."""
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """The root configuration of one run."""
 
@@ -248,8 +305,8 @@ class TrainerConfig:
     """Seed of every random choice (data order, sampling, initialisation)."""
     threads: int = 1
     """torch intra-op threads of the trainer process."""
-    runtime: Literal["local"] = "local"
-    """``local``: everything in one process (the embedded default)."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Where the components run: ``local`` (one process, the default) or ``ray``."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Initial weights and tokenizer."""
     task: ComponentSpec | None = None
@@ -259,12 +316,19 @@ class TrainerConfig:
     """Prompt sources when no task is set (or to override the task's)."""
     reward: ComponentSpec | None = None
     """Reward function (``RewardFn``) by registry name or ``module:attr``; default: the task's."""
+    group_reward: ComponentSpec | None = None
+    """A group reward (``GroupRewardFn``) scoring each prompt's rollouts together, e.g.
+    ``{type: majority_vote, answer_pattern: ...}``. When set it is what is trained on; the
+    per-rollout reward's components stay as ``rollout_<key>`` metrics (docs/agents.md)."""
     policy: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="hf"))
     """The trained model backend."""
     generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="hf"))
     """The rollout engine backend."""
     weight_transport: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="inprocess"))
     """How weights reach the generator."""
+    critic: ComponentSpec | None = None
+    """A value model for PPO with a critic (``{type: hf, lr: 1e-4}``), built from the RL start
+    weights with a fresh value head; needs ``algorithm.advantage: gae``."""
     buffer: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="group"))
     """Where scored groups wait for training."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -299,6 +363,8 @@ def load_trainer_config(
     else:
         data = load_config_file(recipe)
     data = apply_overrides(data, list(overrides))
+    if isinstance(data.get("runtime"), str):  # `runtime: ray` is short for `runtime: {type: ray}`
+        data = {**data, "runtime": {"type": data["runtime"]}}
     cfg = from_dict(TrainerConfig, data)
     if cfg.task is None and cfg.data.train is None:
         raise ConfigError("task: set a built-in task (e.g. {type: reverse}) or data.train.")
@@ -315,6 +381,21 @@ def load_trainer_config(
             f"rl.mask_older_than: must be >= 0 or null, got {cfg.rl.mask_older_than}."
         )
     _check_eval(cfg.eval)
+    if cfg.algorithm.advantage == "gae" and cfg.critic is None:
+        raise ConfigError(
+            "algorithm.advantage: 'gae' needs critic values; set critic (e.g. {type: hf}) or "
+            "use a critic-free estimator (grpo, rloo, reinforce_pp)."
+        )
+    if cfg.critic is not None and cfg.runtime.type != "local":
+        raise ConfigError(
+            "critic: runs on the local runtime only so far; use runtime.type: local or a "
+            "critic-free estimator (algorithm.advantage: grpo) on the ray runtime."
+        )
+    if cfg.critic is not None and cfg.algorithm.advantage != "gae":
+        raise ConfigError(
+            f"critic: set, but algorithm.advantage is {cfg.algorithm.advantage!r}, which does "
+            "not use values; use algorithm.advantage: gae or remove critic."
+        )
     if "max_staleness" in cfg.buffer.options:
         raise ConfigError(
             "buffer.max_staleness: the trainer bounds staleness itself; set rl.max_staleness "

@@ -1,4 +1,5 @@
-"""The training loop on the ``local`` runtime (DESIGN §6), synchronous or asynchronous::
+"""The training loop (DESIGN §6), synchronous or asynchronous, on the ``local`` or ``ray``
+runtime::
 
     for step in range(rl.steps):
         round: prompts  = train_data.next_prompts(P)       # DataSource
@@ -8,7 +9,9 @@
                buffer.put(groups)                           # Buffer
         groups = buffer.take(P, min_version=policy.version - rl.max_staleness)
         advantages -> packed TrainBatch (+ ref log-probs)   # AdvantageFn, loss weights
+                      (with a critic: values -> GAE)        # Critic
         policy.train_step(batch, loss)                      # Policy, LossFn
+        critic.train_step(batch, value_loss)                # Critic, ValueLossFn (optional)
         update = transport.publish(version, named_weights)  # WeightTransport
         generator.update_weights(update, transport)
         evaluate / checkpoint on schedule
@@ -21,6 +24,8 @@ round (:meth:`Trainer._produce`), the take and the train step; only who runs the
 when the generator receives weights differ.
 
 An optional SFT warm-up on the training labels runs first, with the same policy and packing.
+On the ``ray`` runtime (:mod:`rl_trainer.runtime`) the policy and the generators are actors
+behind proxies that implement the same interfaces, so this loop is unchanged.
 """
 
 from __future__ import annotations
@@ -42,8 +47,14 @@ import torch
 from rl_buffer.balance import schedule_step
 from rl_buffer.sampler import DynamicSampler
 from rl_core import registry
-from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss, SFTLoss, compute_loss_weights
-from rl_core.batching import pack_rollouts
+from rl_core.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    PolicyLoss,
+    SFTLoss,
+    ValueLoss,
+    compute_loss_weights,
+)
+from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.config import ComponentSpec, from_dict, to_dict
 from rl_core.errors import ConfigError, RLError
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
@@ -140,9 +151,15 @@ class Trainer:
             if hasattr(cls, "Config"):
                 opts = self._with(kind, spec, model_path=self.init_model_path).options
                 from_dict(cls.Config, opts, path=kind)
+        self.runtime: Any = None  # RayRuntime on the ray runtime: policy/generators are actors
+        if cfg.runtime.type == "ray":
+            from rl_trainer.runtime import RayRuntime, check_ray_config
+
+            check_ray_config(cfg, self._transport_spec(self.init_model_path))
         self.policy: Any = None
         self.generator: Any = None
         self.reference: Any = None
+        self.critic: Any = None
 
         # Data and reward: a built-in task writes its splits and scores responses.
         task = None
@@ -177,7 +194,11 @@ class Trainer:
                 "reward: set a reward function (e.g. reward: {type: 'my_pkg.rewards:score'})."
             )
         registry.check_callable(reward_fn, object, field="reward", n_args=3)
-        self.scorer = Scorer(reward_fn, self.tokenizer)
+        group_reward_fn = None
+        if cfg.group_reward is not None:
+            group_reward_fn = registry.build("reward", cfg.group_reward, field="group_reward")
+            registry.check_callable(group_reward_fn, object, field="group_reward", n_args=3)
+        self.scorer = Scorer(reward_fn, self.tokenizer, group_reward_fn=group_reward_fn)
         self.eval_sets = build_eval_sets(
             cfg.eval, default_source=eval_data, default_reward=reward_fn, tokenizer=self.tokenizer
         )
@@ -214,6 +235,11 @@ class Trainer:
                 ComponentSpec(type=alg.advantage, options=alg.advantage_options),
                 field="algorithm.advantage",
             )
+        self.value_loss_fn = (
+            ValueLoss(from_dict(ValueLoss.Config, alg.value_loss, path="algorithm.value_loss"))
+            if cfg.critic is not None
+            else None
+        )
         self.loss_config = from_dict(PolicyLoss.Config, alg.loss, path="algorithm.loss")
         self.loss_fn = PolicyLoss(self.loss_config)
         if self.loss_config.kl_coef > 0 and not alg.use_reference:
@@ -228,6 +254,8 @@ class Trainer:
         self._resume_from: Path | None = None
         if self.resume:
             self._restore()
+        if cfg.runtime.type == "ray":
+            self.runtime = RayRuntime(cfg)
 
     def _transport_spec(self, start_path: str) -> ComponentSpec:
         """The weight transport's spec with run-local defaults: sync directories under the run,
@@ -253,6 +281,8 @@ class Trainer:
         """
         spec = self._transport_spec(start_path)
         fields = self._config_fields("weight_transport", spec)
+        if self.runtime is not None:  # ray: sender on policy rank 0, receivers in the engines
+            return None, None
         if not {"rank", "world_size"} <= fields:
             sender = registry.build("weight_transport", spec, field="weight_transport")
             return sender, sender
@@ -272,14 +302,24 @@ class Trainer:
         )
         return sender, receiver
 
-    def _build_policy(self, model_path: str, **overrides: Any) -> Any:
+    def _build_policy(self, model_path: str, *, role: str = "policy", **overrides: Any) -> Any:
         spec = self._with(
             "policy", self.config.policy, model_path=model_path, seed=self.config.seed
         )
         spec = ComponentSpec(
             type=spec.type, options={**spec.options, "model_path": model_path, **overrides}
         )
+        if self.runtime is not None:
+            return self.runtime.build_policy(spec, role=role)
         return registry.build("policy", spec, field="policy")
+
+    def _build_critic(self, model_path: str) -> Any:
+        spec = self.config.critic
+        spec = ComponentSpec(
+            type=spec.type,
+            options={"seed": self.config.seed, **spec.options, "model_path": model_path},
+        )
+        return registry.build("critic", spec, field="critic")
 
     @property
     def sft_model_path(self) -> Path:
@@ -308,10 +348,16 @@ class Trainer:
         write_checkpoint(
             self.run_dir,
             step_index,
-            save_policy=lambda d: self.policy.save(d, with_optimizer=True),
+            save_models=self._checkpoint_savers(),
             trainer_state=self._trainer_state(metrics.lines),
             keep=self.config.checkpoint.keep,
         )
+
+    def _checkpoint_savers(self) -> dict[str, Any]:
+        savers = {"policy": lambda d: self.policy.save(d, with_optimizer=True)}
+        if self.critic is not None:
+            savers["critic"] = lambda d: self.critic.save(d, with_optimizer=True)
+        return savers
 
     def _restore(self) -> None:
         """Read the newest checkpoint's trainer state; the policy is loaded when its phase starts."""
@@ -334,6 +380,8 @@ class Trainer:
             return
         ckpt, st = self._resume_from, self._resume_state
         self.policy.load(ckpt / "policy", with_optimizer=True)
+        if self.critic is not None:
+            self.critic.load(ckpt / "critic", with_optimizer=True)
         if self.policy.version != st["policy_version"]:
             raise RLError(
                 f"{ckpt}: policy version {self.policy.version} != recorded {st['policy_version']}."
@@ -344,7 +392,10 @@ class Trainer:
     # ----------------------------------------------------------------------------- pieces
     async def _publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Publish ``weights`` as ``version`` and have the generator load them (checked)."""
-        update = self.transport.publish(version, weights)
+        if self.runtime is not None:  # ray: policy rank 0 publishes what it holds
+            update = self.runtime.publish(version, weights)
+        else:
+            update = self.transport.publish(version, weights)
         await self.generator.update_weights(update, self.receiver)
         if self.generator.weight_version != version:
             raise RLError(
@@ -523,28 +574,44 @@ class Trainer:
             "rollout/staleness_max": max(ages, default=0),
         }
 
-    def _advantages(self, groups: Sequence[Group]) -> tuple[list[Rollout], list[torch.Tensor]]:
-        rollouts = [r for g in groups for r in g.rollouts]
-        group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
+    def _advantages(
+        self,
+        rollouts: Sequence[Rollout],
+        group_index: Sequence[int],
+        values: list[torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-rollout advantages ``[R_i]`` and, with a critic, GAE returns ``[R_i]``."""
         inputs = AdvantageInputs(
             rewards=torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32),
-            group_index=torch.tensor(group_index, dtype=torch.int64),
+            group_index=torch.tensor(list(group_index), dtype=torch.int64),
             response_mask=[torch.tensor(r.loss_mask, dtype=torch.float32) for r in rollouts],
+            values=values,
         )
-        return rollouts, list(self.advantage_fn(inputs))
+        if values is not None:
+            adv, returns = self.advantage_fn.advantages_and_returns(inputs)
+            return list(adv), list(returns)
+        return list(self.advantage_fn(inputs)), None
 
     def _rl_batch(self, groups: Sequence[Group]) -> TrainBatch:
         alg = self.config.algorithm
-        rollouts, adv = self._advantages(groups)
+        rollouts = [r for g in groups for r in g.rollouts]
+        group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
         order, bounds = self._plan(rollouts)
-        rollouts, adv = [rollouts[i] for i in order], [adv[i] for i in order]
+        rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
         keep = self.config.rl.mask_older_than
         batch = pack_rollouts(
             rollouts,
-            advantages=adv,
             micro_batch_bounds=bounds,
             mask_versions_below=self.policy.version - keep if keep is not None else None,
         )
+        values = None
+        if self.critic is not None:
+            batch.old_values = self.critic.compute_values(batch)
+            values = gather_response(rollouts, batch.old_values)
+        adv, returns = self._advantages(rollouts, group_index, values)
+        batch.advantages = scatter_response(rollouts, adv) * batch.loss_mask
+        if returns is not None:
+            batch.returns = scatter_response(rollouts, returns) * batch.loss_mask
         batch.loss_weights = compute_loss_weights(
             batch.loss_mask,
             batch.cu_seqlens,
@@ -569,6 +636,16 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self._rl_batch(groups)
         m = self.policy.train_step(batch, self.loss_fn)
+        critic_record: dict[str, Any] = {}
+        if self.critic is not None:
+            cm = self.critic.train_step(batch, self.value_loss_fn)
+            critic_record = {
+                "critic/loss": cm["loss"],
+                "critic/grad_norm": cm["grad_norm"],
+                "critic/value_mean": cm["value_mean"],
+                "critic/value_error": cm["value_error"],
+                "critic/clipfrac": cm["value_clipfrac"],
+            }
         train_time = time.perf_counter() - t0
         record: dict[str, Any] = {
             "train/loss": m["loss"],
@@ -579,6 +656,7 @@ class Trainer:
         for k in ("pg_clipfrac", "ppo_kl", "mismatch", "tis_weight_mean", "tis_clipfrac", "lr"):
             if k in m:
                 record[f"train/{k}"] = m[k]
+        record.update(critic_record)
         record["perf/train_time"] = train_time
         record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
         return record
@@ -683,6 +761,8 @@ class Trainer:
             return None
         if self.generator.weight_version >= self.policy.version:
             return None
+        if self.runtime is not None:  # ray: the policy ranks keep the copy
+            return self.policy.keep_copy()
         return [(n, t.detach().to("cpu", copy=True)) for n, t in self.policy.named_weights()]
 
     # ----------------------------------------------------------------------------- main
@@ -734,13 +814,18 @@ class Trainer:
             start = self._rl_start_path()
             temperature = cfg.rollout.sampling.temperature or 1.0
             self.policy = self._build_policy(start, temperature=temperature)
-            self.generator = registry.build(
-                "generator",
-                self._with("generator", cfg.generator, model_path=start, seed=cfg.seed),
-                field="generator",
-            )
+            gen_spec = self._with("generator", cfg.generator, model_path=start, seed=cfg.seed)
+            if self.runtime is not None:
+                self.generator = self.runtime.build_generator(gen_spec)
+                await self.runtime.build_transport(self._transport_spec(start))
+            else:
+                self.generator = registry.build("generator", gen_spec, field="generator")
             if cfg.algorithm.use_reference:
-                self.reference = self._build_policy(start, temperature=temperature)
+                self.reference = self._build_policy(
+                    start, role="reference", temperature=temperature
+                )
+            if cfg.critic is not None:
+                self.critic = self._build_critic(start)
             self.transport, self.receiver = self._build_transports(start)
             self._load_resumed_policy()
             self._first_version = self.policy.version - self.state["rl_step"]
@@ -787,4 +872,6 @@ class Trainer:
                 self.transport.close()
             if self.receiver is not None and self.receiver is not self.transport:
                 self.receiver.close()
+            if self.runtime is not None:
+                self.runtime.shutdown()
         return records

@@ -1,4 +1,4 @@
-"""Asynchronous generation for the ``local`` runtime: rollout rounds run ahead of training.
+"""Asynchronous generation: rollout rounds run ahead of training (``local`` and ``ray`` runtimes).
 
 With ``rl.async_generation`` the trainer starts a :class:`RolloutPipeline`. Its producer task
 runs on the event loop (the main thread) and produces one *round* per RL step: the groups step
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,7 +39,9 @@ from rl_core.errors import RLError
 
 __all__ = ["RolloutPipeline"]
 
-Weights = list[tuple[str, torch.Tensor]]
+Weights = Iterable[tuple[str, torch.Tensor]]
+"""Weights of one version for a later round: a CPU copy (``local`` runtime) or a handle to the
+copy the policy ranks keep (``ray`` runtime, :class:`rl_trainer.runtime.RemoteWeights`)."""
 
 
 class RolloutPipeline:

@@ -1,5 +1,5 @@
 """Turning prompts into scored groups: default single-turn sampling, custom ``GenerateFn``s,
-reward scoring with failure accounting, and group filters."""
+reward scoring with failure accounting, group rewards, and group filters."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from rl_core.interfaces import (
     GenerateFn,
     Generator,
     GroupFilter,
+    GroupRewardFn,
     RewardFn,
     RolloutContext,
     Tokenizer,
@@ -126,14 +127,32 @@ class RolloutStats:
 
 class Scorer:
     """Applies a reward function to rollouts: decodes responses, awaits async rewards, and marks
-    a rollout failed (with a counted reason) when the reward raises or is not finite."""
+    a rollout failed (with a counted reason) when the reward raises or is not finite.
+
+    With a ``group_reward_fn`` (a :class:`~rl_core.interfaces.GroupRewardFn` such as
+    :class:`~rl_core.rewards.group.MajorityVote`), each group is then scored as a whole over its
+    rollouts that the per-rollout reward did not fail, and the group reward is what is trained
+    on: ``reward`` and ``reward_info`` come from it, and the per-rollout reward's components stay
+    in ``reward_info`` as ``rollout_<key>`` (e.g. ``rollout_reward``: label accuracy next to a
+    label-free majority-vote reward). A group reward that raises, returns the wrong number of
+    values or a non-finite value fails the rollouts it scored (``group_reward_error`` /
+    ``group_reward_invalid``); it never crashes the step.
+    """
 
     def __init__(
-        self, reward_fn: RewardFn, tokenizer: Tokenizer, *, reward_key: str = "reward"
+        self,
+        reward_fn: RewardFn | None,
+        tokenizer: Tokenizer,
+        *,
+        reward_key: str = "reward",
+        group_reward_fn: GroupRewardFn | None = None,
     ) -> None:
+        if reward_fn is None and group_reward_fn is None:
+            raise RewardError("Scorer: give a reward function, a group reward function, or both.")
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
         self.reward_key = reward_key
+        self.group_reward_fn = group_reward_fn
 
     def _to_scalar(self, value: Any, rollout: Rollout) -> tuple[float, dict[str, float]]:
         if isinstance(value, Mapping):
@@ -156,21 +175,56 @@ class Scorer:
     async def score(self, groups: Sequence[Group], stats: RolloutStats) -> None:
         """Fill ``reward`` and ``reward_info`` of every rollout of ``groups`` in place."""
         for g in groups:
+            texts: dict[int, str] = {}
             for r in g.rollouts:
                 if r.status == RolloutStatus.FAILED:
                     stats.failed[r.metadata.get("failure", "generation")] += 1
                     continue
                 text = self.tokenizer.decode(list(r.response_ids), skip_special_tokens=True)
+                texts[id(r)] = text
+                if self.reward_fn is None:
+                    continue
                 try:
                     value = self.reward_fn(g.prompt, text, r)
                     if inspect.isawaitable(value):
                         value = await value
                     r.reward, r.reward_info = self._to_scalar(value, r)
                 except Exception as e:  # a user reward must never crash the step
-                    reason = "reward_error" if not isinstance(e, RewardError) else "reward_invalid"
-                    r.status = RolloutStatus.FAILED
-                    r.metadata["failure"] = f"{reason}: {e!r}"
-                    stats.failed[reason] += 1
+                    reason = "reward_invalid" if isinstance(e, RewardError) else "reward_error"
+                    self._fail(r, reason, e, stats)
+            if self.group_reward_fn is not None:
+                await self._score_group(g, texts, stats)
+
+    @staticmethod
+    def _fail(r: Rollout, reason: str, e: Exception, stats: RolloutStats) -> None:
+        r.status = RolloutStatus.FAILED
+        r.metadata["failure"] = f"{reason}: {e!r}"
+        stats.failed[reason] += 1
+
+    async def _score_group(self, g: Group, texts: dict[int, str], stats: RolloutStats) -> None:
+        assert self.group_reward_fn is not None
+        live = [r for r in g.rollouts if r.status != RolloutStatus.FAILED]
+        if not live:
+            return
+        try:
+            values = self.group_reward_fn(g.prompt, [texts[id(r)] for r in live], live)
+            if inspect.isawaitable(values):
+                values = await values
+            values = list(values)
+            if len(values) != len(live):
+                raise RewardError(
+                    f"group reward for prompt {g.prompt.uid}: {len(values)} values for "
+                    f"{len(live)} rollouts; return one per rollout, in order."
+                )
+            scored = [self._to_scalar(v, r) for v, r in zip(values, live)]
+        except Exception as e:  # a user reward must never crash the step
+            reason = "group_reward_invalid" if isinstance(e, RewardError) else "group_reward_error"
+            for r in live:
+                self._fail(r, reason, e, stats)
+            return
+        for r, (scalar, info) in zip(live, scored):
+            per_rollout = {f"rollout_{k}": v for k, v in r.reward_info.items()}
+            r.reward, r.reward_info = scalar, {**per_rollout, **info}
 
 
 def filter_groups(

@@ -3,6 +3,10 @@ score responses exactly.
 
 - ``reverse``: ``"abcd="`` -> ``"dcba"``; reward = fraction of positions right (exact match 1).
 - ``addition``: ``"12+7="`` -> ``"19"``; reward = fraction of answer digits right.
+- ``calculator`` (tool use): ``"23*47="``; the model calls the calculator tool and answers,
+  ``"CALC: 23*47\n= 1081\nANSWER: 1081"`` (the ``= 1081`` line is the tool's observation);
+  reward = fraction of answer digits right. Run it with
+  :class:`rl_core.examples.calculator.CalculatorRollout` as the rollout.
 
 Both use plain-text prompts (no chat template) so a tiny model spends its capacity on the task.
 A task is a class with a nested ``Config``, registered under the ``rl.tasks`` entry-point group.
@@ -13,13 +17,15 @@ from __future__ import annotations
 import abc
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_core.errors import ConfigError
 from rl_core.types import Prompt, Rollout
 
-__all__ = ["AdditionTask", "ReverseTask", "Task", "position_match"]
+__all__ = ["AdditionTask", "CalculatorTask", "ReverseTask", "Task", "position_match"]
 
 
 def position_match(response: str, target: str) -> float:
@@ -154,4 +160,76 @@ class AdditionTask(Task):
         return {
             "reward": position_match(response, str(label)),
             "exact": float(response == str(label)),
+        }
+
+
+class CalculatorTask(Task):
+    """Multiply two numbers with a calculator tool: ``"23*47="``.
+
+    The label is a worked tool-use transcript, ``"CALC: 23*47\\n= 1081\\nANSWER: 1081"``, so the
+    SFT warm-up (which trains on labels) teaches the call and answer format; in RL the ``= ...``
+    line is written by the tool (:class:`rl_core.examples.calculator.CalculatorRollout`), not
+    the model. The operands are too large for a tiny model to multiply in its head: the reward
+    is earned by calling the tool with the right expression and copying its result.
+
+    A share ``direct_fraction`` of the training labels answer without the tool
+    (``"ANSWER: 1081"``), as demonstrations often do, so the warm-up model calls the tool only
+    sometimes; RL has to learn that calling it pays.
+    """
+
+    ANSWER = re.compile(r"ANSWER:\s*(\S+)")
+    """The final answer: the last ``ANSWER: <value>`` of a response."""
+    CALL = re.compile(r"CALC:\s*([^\n]+)")
+    """A tool call line."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Settings of the calculator task."""
+
+        n_train: int = 4000
+        """Training examples."""
+        n_eval: int = 128
+        """Held-out examples (never in the training split)."""
+        min_value: int = 10
+        """Smallest operand."""
+        max_value: int = 99
+        """Largest operand."""
+        direct_fraction: float = 0.0
+        """Share of training labels that answer directly, without a tool call."""
+        seed: int = 1234
+        """Seed of the data."""
+
+    def __init__(self, config: Config) -> None:
+        if not 0.0 <= config.direct_fraction <= 1.0:
+            raise ConfigError(
+                f"task.direct_fraction: must be in [0, 1], got {config.direct_fraction}."
+            )
+        self.config = config
+        c = config
+
+        def make(rng: random.Random) -> dict[str, Any]:
+            a, b = rng.randint(c.min_value, c.max_value), rng.randint(c.min_value, c.max_value)
+            expr, value = f"{a}*{b}", a * b
+            if rng.random() < c.direct_fraction:
+                return {"prompt": f"{expr}=", "label": f"ANSWER: {value}"}
+            return {"prompt": f"{expr}=", "label": f"CALC: {expr}\n= {value}\nANSWER: {value}"}
+
+        self._splits = _split(set(), make, c.n_train, c.n_eval, c.seed)
+
+    def examples(self, split: str) -> list[dict[str, Any]]:
+        """Examples of ``split``."""
+        return self._splits[split]
+
+    def score(self, response: str, label: Any) -> dict[str, float]:
+        """``reward``: digit position match of the final answer (0 without one); ``exact``: 1
+        for the right product; ``tool_call``: 1 when the response called the tool."""
+        want = self.ANSWER.findall(str(label))
+        if not want:
+            raise ValueError(f"calculator label {label!r} has no 'ANSWER: <value>' line.")
+        got = self.ANSWER.findall(response)
+        answer = got[-1] if got else None
+        return {
+            "reward": position_match(answer, want[-1]) if answer is not None else 0.0,
+            "exact": float(answer == want[-1]),
+            "tool_call": float(bool(self.CALL.search(response))),
         }

@@ -1,0 +1,42 @@
+"""Shared fixtures of the trainer's in-process tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+TINY_MODEL = {
+    "arch": "qwen2",
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "intermediate_size": 64,
+}
+
+
+@pytest.fixture
+def tiny_recipe_dict():
+    """A function ``(run_dir, seed, **sections) -> dict``: a tiny reverse-task recipe (one-layer
+    model, 4-token responses, no TensorBoard or progress bar); ``sections`` replace or add
+    top-level sections."""
+
+    def make(run_dir: Any, seed: int = 0, **sections: Any) -> dict[str, Any]:
+        recipe: dict[str, Any] = {
+            "run_dir": str(run_dir),
+            "seed": seed,
+            "model": {"init": dict(TINY_MODEL)},
+            "task": {"type": "reverse", "n_train": 64, "n_eval": 6, "min_len": 2, "max_len": 3},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples": 2,
+                "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+            },
+            "rl": {"steps": 2},
+            "logging": {"tensorboard": False, "progress": False},
+        }
+        recipe.update(sections)
+        return recipe
+
+    return make

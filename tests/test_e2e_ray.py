@@ -1,0 +1,279 @@
+"""The ``ray`` runtime end to end, on ONE local Ray cluster for the whole file.
+
+Every run is a real trainer (driver in this process) with its policy rank and generator engines
+as Ray actors of the session cluster, weights moving through a disk transport (``disk_full``;
+``disk_delta`` in the colocated run):
+
+- a disaggregated run (two engines) learns, and ``max_staleness = 0`` on Ray reproduces it
+  exactly (records and final weights);
+- asynchronous generation with staleness 1 learns and trains on data exactly one version old,
+  also when a generator engine is killed mid-run (its requests are retried on the other engine,
+  it restarts and re-syncs to the current weights, and the run finishes);
+- a colocated run learns, also when its only generator engine hangs mid-run (the call times
+  out, the engine is restarted on the current weights and serves the round);
+- a policy rank killed mid-run stops the run with an error (no hang) and leaves a checkpoint;
+  resuming it on Ray gives exactly the uninterrupted run;
+- two Megatron policy ranks (tensor parallel) learn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ray = pytest.importorskip("ray")
+
+from rl_core.errors import ConfigError, RLError  # noqa: E402
+from rl_trainer.config import load_trainer_config  # noqa: E402
+from rl_trainer.loop import Trainer  # noqa: E402
+
+RECIPE = {
+    "seed": 3,
+    "model": {
+        "init": {
+            "arch": "qwen2",
+            "hidden_size": 64,
+            "num_layers": 1,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "intermediate_size": 128,
+        }
+    },
+    "task": {"type": "reverse", "n_train": 500, "n_eval": 16, "min_len": 2, "max_len": 3},
+    "policy": {"type": "hf", "lr": 0.002},
+    "generator": {"type": "hf"},
+    "weight_transport": {"type": "disk_full"},
+    "sft": {"steps": 20, "batch_size": 32, "lr": 0.005},
+    "rollout": {
+        "prompts_per_step": 8,
+        "n_samples": 8,
+        "sampling": {"temperature": 1.0, "max_new_tokens": 5},
+    },
+    "algorithm": {"advantage": "grpo"},
+    "rl": {"steps": 30},
+    "eval": {"every": 15, "sampling": {"temperature": 0.0, "max_new_tokens": 5}},
+    "checkpoint": {"every": 30, "keep": 2},
+    "logging": {"tensorboard": False, "progress": False},
+    "runtime": {"type": "ray", "generator": {"count": 2}},
+}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every test of this file; no Ray process outlives it."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    node = ray._private.worker._global_node
+    pids = [p.process.pid for procs in node.all_processes.values() for p in procs]
+    yield
+    ray.shutdown()
+    deadline = time.time() + 30
+    alive = pids
+    while alive and time.time() < deadline:
+        alive = [pid for pid in alive if _alive(pid)]
+        time.sleep(0.2)
+    assert not alive, f"Ray processes left after shutdown: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _config(run_dir: Path, *overrides: str):
+    return load_trainer_config({**RECIPE, "run_dir": str(run_dir)}, list(overrides))
+
+
+def _run(run_dir: Path, *overrides: str, resume: bool = False) -> Trainer:
+    trainer = Trainer(_config(run_dir, *overrides), resume=resume)
+    trainer.run()
+    return trainer
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in _rows(run_dir)]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final_model" / "model.safetensors"))
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _assert_learns(run_dir: Path) -> None:
+    rl = [r["rollout/reward_mean"] for r in _rows(run_dir) if r["phase"] == "rl" and r["step"]]
+    early, late = sum(rl[:10]) / 10, sum(rl[-10:]) / 10
+    assert late > early + 0.03, f"training reward {early:.3f} -> {late:.3f}: {rl}"
+
+
+def _when(predicate, action, timeout: float = 300.0) -> threading.Thread:
+    """Run ``action`` in a thread as soon as ``predicate()`` holds."""
+
+    def watch() -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate():
+                action()
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _rl_step_reached(run_dir: Path, step: int):
+    def check() -> bool:
+        path = run_dir / "metrics.jsonl"
+        if not path.exists():
+            return False
+        lines = path.read_text().splitlines()
+        return any((r := json.loads(line))["phase"] == "rl" and r["step"] >= step for line in lines)
+
+    return check
+
+
+@pytest.fixture(scope="module")
+def sync_run(ray_cluster, tmp_path_factory):
+    """The disaggregated synchronous reference run (two generator engines)."""
+    run_dir = tmp_path_factory.mktemp("ray") / "sync"
+    _run(run_dir, "checkpoint.every=25")
+    return run_dir
+
+
+def test_disaggregated_learns_and_staleness_zero_matches_sync(sync_run, tmp_path):
+    _assert_learns(sync_run)
+    rl = [r for r in _rows(sync_run) if r["phase"] == "rl" and r["step"]]
+    assert all(r["rollout/staleness_max"] == 0 for r in rl)
+    run0 = tmp_path / "async0"
+    _run(run0, "checkpoint.every=25", "rl.async_generation=true", "rl.max_staleness=0")
+    assert _records(run0) == _records(sync_run)
+    assert _same_weights(_weights(run0), _weights(sync_run))
+
+
+def test_async_staleness_one_learns_and_survives_a_killed_generator(ray_cluster, tmp_path):
+    """Generation overlaps training in other processes; halfway through, generator engine 0
+    is killed: its requests are retried on engine 1, it restarts on the current weights, and
+    the run finishes on data never more than one version old."""
+    run = tmp_path / "async1"
+    trainer = Trainer(_config(run, "rl.async_generation=true", "rl.max_staleness=1"))
+    killed: list[object] = []
+
+    def kill() -> None:
+        engine = trainer.generator.engines[0]
+        killed.append(engine)
+        ray.kill(engine, no_restart=True)
+
+    watcher = _when(_rl_step_reached(run, 12), kill)
+    trainer.run()
+    watcher.join(timeout=5)
+    assert killed, "the engine was never killed"
+    pool = trainer.generator
+    assert pool.restarts == 1 and pool.events[0].startswith("engine 0 died"), pool.events
+    rl = [r for r in _rows(run) if r["phase"] == "rl" and r["step"]]
+    assert [r["step"] for r in rl] == list(range(1, 31))
+    assert all(r["rollout/groups_kept"] == 8 for r in rl)
+    assert [r["rollout/staleness_max"] for r in rl] == [0] + [1] * (len(rl) - 1)
+    assert all(r["rollout/stale_dropped"] == 0 for r in rl)
+    _assert_learns(run)
+
+
+def test_colocated_learns_and_survives_a_hung_generator(ray_cluster, tmp_path):
+    """Policy and generator share one bundle; weights move as lossless deltas. The only engine
+    stops serving (paused) at step 15: its call times out, the engine is killed and restarted
+    from the host-local patched checkpoint (the current version), the round is served by the
+    new engine, and the run goes on and learns."""
+    run = tmp_path / "colocated"
+    trainer = Trainer(
+        _config(
+            run,
+            "runtime.layout=colocated",
+            "runtime.generator.count=1",
+            "runtime.generate_timeout_s=10",
+            "weight_transport.type=disk_delta",
+        )
+    )
+    assert trainer.runtime.colocated and trainer.runtime.generator_bundle(0) == 0
+    watcher = _when(
+        _rl_step_reached(run, 15), lambda: ray.get(trainer.generator.engines[0].pause.remote())
+    )
+    trainer.run()
+    watcher.join(timeout=5)
+    pool = trainer.generator
+    assert pool.restarts == 1 and pool.events[0].startswith("engine 0 hung"), pool.events
+    rl = [r for r in _rows(run) if r["phase"] == "rl" and r["step"]]
+    assert [r["step"] for r in rl] == list(range(1, 31))
+    _assert_learns(run)
+
+
+def test_policy_rank_failure_stops_and_resume_matches(sync_run, tmp_path):
+    run = tmp_path / "policy_killed"
+    trainer = Trainer(_config(run, "checkpoint.every=25"))
+    marker = run / "checkpoints" / "step_000025" / "COMPLETE"
+
+    def kill() -> None:
+        ray.kill(trainer.runtime.ranks[0], no_restart=True)
+
+    watcher = _when(marker.exists, kill)
+    t0 = time.time()
+    with pytest.raises(RLError, match="policy rank died"):
+        trainer.run()
+    assert time.time() - t0 < 240
+    watcher.join(timeout=5)
+    assert not (run / "final_model").exists()
+    _run(run, "checkpoint.every=25", resume=True)
+    assert _records(run) == _records(sync_run)
+    assert _same_weights(_weights(run), _weights(sync_run))
+
+
+@pytest.mark.slow
+def test_megatron_tensor_parallel_ranks_learn(ray_cluster, tmp_path):
+    """Two Megatron policy ranks (TP=2) form their own gloo world inside the actors."""
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "megatron_tp2"
+    trainer = _run(
+        run,
+        "policy.type=megatron",
+        "policy.tp_size=2",
+        "model.init.num_kv_heads=2",
+        "runtime.policy.count=2",
+        "runtime.generator.count=1",
+    )
+    assert trainer.runtime.n_policy == 2
+    assert (run / "final_model" / "model.safetensors").is_file()  # gathered from the TP shards
+    _assert_learns(run)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["weight_transport.type=inprocess"], "weight_transport.type: 'inprocess'"),
+        (["weight_transport.type=broadcast"], "weight_transport.type: 'broadcast'"),
+        (["runtime.policy.count=2"], "runtime.policy.count: 2 ranks"),
+        (["runtime.policy.count=2", "policy.type=megatron"], "data parallelism"),
+        (["runtime.layout=colocated"], "runtime.generator.count: 2 generators"),
+    ],
+)
+def test_unsupported_settings_fail_before_ray_starts(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        Trainer(_config(tmp_path / "bad", *overrides))
