@@ -264,13 +264,39 @@ def test_megatron_tensor_parallel_ranks_learn(ray_cluster, tmp_path):
     _assert_learns(run)
 
 
+@pytest.mark.slow
+def test_megatron_data_parallel_replicas_split_the_batch_and_learn(ray_cluster, tmp_path):
+    """Two Megatron policy ranks as data-parallel replicas: each trains on its FLOPs-balanced
+    shard of every batch (gradients summed across replicas), so the first warm-up step equals
+    the single-process reference policy's on the whole batch, and the run learns."""
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "megatron_dp2"
+    trainer = _run(
+        run,
+        "policy.type=megatron",
+        "runtime.policy.count=2",
+        "runtime.generator.count=1",
+    )
+    assert trainer.policy.data_parallel_size == 2
+    _assert_learns(run)
+    ref = tmp_path / "reference_local"
+    _run(ref, "runtime.type=local", "runtime.generator.count=1", "rl.steps=1")
+    mine = next(r for r in _rows(run) if r["phase"] == "sft")
+    theirs = next(r for r in _rows(ref) if r["phase"] == "sft")
+    assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-4)
+    assert mine["train/grad_norm"] == pytest.approx(theirs["train/grad_norm"], rel=1e-4)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["weight_transport.type=inprocess"], "weight_transport.type: 'inprocess'"),
         (["weight_transport.type=broadcast"], "weight_transport.type: 'broadcast'"),
         (["runtime.policy.count=2"], "runtime.policy.count: 2 ranks"),
-        (["runtime.policy.count=2", "policy.type=megatron"], "data parallelism"),
+        (
+            ["runtime.policy.count=3", "policy.type=megatron", "policy.tp_size=2"],
+            "not a multiple of policy tp_size",
+        ),
         (["runtime.layout=colocated"], "runtime.generator.count: 2 generators"),
     ],
 )

@@ -76,3 +76,26 @@ def test_rollout_validation():
             versions=(0, 0),
         )
     assert RolloutStatus.TRUNCATED.is_trainable() and not RolloutStatus.ABORTED.is_trainable()
+
+
+def test_data_parallel_shards_cover_the_batch_with_their_own_micro_batches():
+    import dataclasses
+
+    from rl_core.testing.policy import random_batch
+
+    batch = random_batch(50, [3, 4, 2, 5, 6], seed=0, micro_batch_bounds=(0, 2, 3, 5))
+    batch = dataclasses.replace(batch, dp_bounds=(0, 3, 5))
+    assert batch.num_shards == 2
+    first, second = batch.shard(0), batch.shard(1)
+    assert first.micro_batch_bounds == (0, 2, 3) and second.micro_batch_bounds == (0, 2)
+    assert first.num_sequences == 3 and second.num_sequences == 2
+    assert torch.equal(torch.cat([first.tokens, second.tokens]), batch.tokens)
+    # the step's loss weights are kept, so the shards' weights sum to the whole batch's
+    total = first.loss_weights.sum() + second.loss_weights.sum()
+    assert torch.isclose(total, batch.loss_weights.sum())
+    assert [m.num_tokens for m in first.micro_batches()] == [7, 2]
+    assert dataclasses.replace(batch, dp_bounds=()).shard(0) is not None
+    with pytest.raises(ValueError, match="dp_bounds"):
+        dataclasses.replace(batch, dp_bounds=(0, 4, 5))  # 4 is not a micro-batch bound
+    with pytest.raises(IndexError):
+        dataclasses.replace(batch, dp_bounds=()).shard(1)

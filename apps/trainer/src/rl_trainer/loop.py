@@ -423,16 +423,30 @@ class Trainer:
             weights = self.policy.named_weights()
         await self._publish(version, weights)
 
-    def _plan(self, rollouts: Sequence[Rollout]) -> tuple[list[int], tuple[int, ...]]:
-        """FLOPs-balanced micro-batch plan (rl-buffer's scheduler) under the token cap: the
-        order to pack the rollouts in and the micro-batch bounds."""
+    def _plan(
+        self, rollouts: Sequence[Rollout]
+    ) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+        """FLOPs-balanced plan (rl-buffer's scheduler) under the token cap: the order to pack the
+        rollouts in, the micro-batch bounds and, with data-parallel policy ranks, the shard
+        bounds (``()`` for one rank). Shards are packed one after the other in rank order."""
+        dp = int(getattr(self.policy, "data_parallel_size", 1))
         plan = schedule_step(
             rollouts,
-            dp_size=1,
+            dp_size=dp,
             max_tokens_per_micro_batch=self.config.rl.max_tokens_per_micro_batch,
             shape=self.policy.model_shape,
         )
-        return plan.rank_samples(0), plan.micro_batch_bounds(0)
+        if dp == 1:
+            return plan.rank_samples(0), plan.micro_batch_bounds(0), ()
+        order: list[int] = []
+        bounds: list[int] = [0]
+        dp_bounds: list[int] = [0]
+        for rank in range(dp):
+            offset = len(order)
+            order.extend(plan.rank_samples(rank))
+            bounds.extend(offset + b for b in plan.micro_batch_bounds(rank)[1:])
+            dp_bounds.append(len(order))
+        return order, tuple(sorted(set(bounds))), tuple(dp_bounds)
 
     def _sft_rollouts(self, prompts: Sequence[Prompt]) -> list[Rollout]:
         eos = self.tokenizer.eos_token_id
@@ -463,8 +477,9 @@ class Trainer:
         t0 = time.perf_counter()
         prompts = self.train_data.next_prompts(cfg.sft.batch_size)
         rollouts = self._sft_rollouts(prompts)
-        order, bounds = self._plan(rollouts)
+        order, bounds, dp_bounds = self._plan(rollouts)
         batch = pack_rollouts([rollouts[i] for i in order], micro_batch_bounds=bounds)
+        batch.dp_bounds = dp_bounds
         m = self.policy.train_step(batch, SFTLoss())
         dt = time.perf_counter() - t0
         self.state["sft_step"] += 1
@@ -596,7 +611,7 @@ class Trainer:
         alg = self.config.algorithm
         rollouts = [r for g in groups for r in g.rollouts]
         group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
-        order, bounds = self._plan(rollouts)
+        order, bounds, dp_bounds = self._plan(rollouts)
         rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
         keep = self.config.rl.mask_older_than
         batch = pack_rollouts(
@@ -604,6 +619,7 @@ class Trainer:
             micro_batch_bounds=bounds,
             mask_versions_below=self.policy.version - keep if keep is not None else None,
         )
+        batch.dp_bounds = dp_bounds
         values = None
         if self.critic is not None:
             batch.old_values = self.critic.compute_values(batch)

@@ -120,12 +120,11 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
         )
     opts = config.policy.options
     model_parallel = int(opts.get("tp_size", 1)) * int(opts.get("pp_size", 1))
-    if rc.policy.count > 1 and model_parallel != rc.policy.count:
-        # Every rank gets the whole batch: data parallelism would count each sample dp times.
+    if rc.policy.count % model_parallel:
         raise ConfigError(
-            f"runtime.policy.count: {rc.policy.count} ranks with policy tp_size x pp_size = "
-            f"{model_parallel} means data parallelism, which the ray runtime does not split "
-            "batches for yet; set runtime.policy.count to tp_size * pp_size."
+            f"runtime.policy.count: {rc.policy.count} ranks is not a multiple of policy tp_size "
+            f"x pp_size = {model_parallel}; the ranks form (count / that) data-parallel "
+            "replicas."
         )
 
 
@@ -192,14 +191,16 @@ class PolicyRank:
             MASTER_PORT=str(master_port),
         )
 
-    def build(self, role: str, spec: ComponentSpec) -> tuple[int, ModelShape]:
-        """Build the model of ``role`` (replacing an earlier one); returns version and shape."""
+    def build(self, role: str, spec: ComponentSpec) -> tuple[int, ModelShape, int]:
+        """Build the model of ``role`` (replacing an earlier one); returns version, shape and
+        this rank's data-parallel index (``layout.dp_rank`` of a parallel policy, else 0)."""
 
-        def run() -> tuple[int, ModelShape]:
+        def run() -> tuple[int, ModelShape, int]:
             self.models.pop(role, None)
             model = registry.build("policy", spec, field="policy")
             self.models[role] = model
-            return model.version, model.model_shape
+            layout = getattr(model, "layout", None)
+            return model.version, model.model_shape, int(getattr(layout, "dp_rank", 0))
 
         return self._on_model_thread(run)
 
@@ -209,6 +210,12 @@ class PolicyRank:
         return self._on_model_thread(
             lambda: model.compute_logprobs(batch, with_entropy=with_entropy)
         )
+
+    def compute_logprobs_shard(
+        self, batch: TrainBatch, role: str, with_entropy: bool
+    ) -> LogProbOutput:
+        """``compute_logprobs`` of ``role`` on this rank's data-parallel shard."""
+        return self.compute_logprobs(role, batch, with_entropy)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], int]:
         """``Policy.train_step`` of the policy; returns the metrics and the new version."""
@@ -403,8 +410,10 @@ class _Colocation:
 
 class RayPolicy(Policy):
     """A :class:`~rl_core.interfaces.Policy` whose model lives in the SPMD ranks of a Ray
-    policy group: every call runs on every rank; rank 0's result is returned. A dead or hung
-    rank raises :class:`~rl_core.errors.RLError` (the run stops; resume from a checkpoint)."""
+    policy group: every call runs on every rank; rank 0's result is returned. With several
+    data-parallel replicas (``dp_ranks``) each replica gets its shard of a planned batch. A dead
+    or hung rank raises :class:`~rl_core.errors.RLError` (the run stops; resume from a
+    checkpoint)."""
 
     def __init__(
         self,
@@ -415,18 +424,49 @@ class RayPolicy(Policy):
         shape: ModelShape,
         timeout_s: float | None,
         colocation: _Colocation,
+        dp_ranks: Sequence[int] | None = None,
     ) -> None:
         self.ranks = list(ranks)
+        self.dp_ranks = list(dp_ranks) if dp_ranks is not None else [0] * len(self.ranks)
+        """Data-parallel replica of each rank."""
         self.role = role
         self._version = version
         self._shape = shape
         self._timeout = timeout_s
         self._colocation = colocation
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas among the ranks (the trainer plans one shard per replica)."""
+        return max(self.dp_ranks) + 1
+
+    def _shards(self, batch: TrainBatch) -> list[Any] | None:
+        """Per-rank object refs of the batch's data-parallel shards (``None``: no sharding)."""
         import ray
 
-        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        if self.data_parallel_size == 1:
+            return None
+        if batch.num_shards != self.data_parallel_size:
+            raise RLError(
+                f"policy ({self.role}): a batch with {batch.num_shards} data-parallel shards for "
+                f"{self.data_parallel_size} replicas; plan it with dp_size="
+                f"{self.data_parallel_size} (TrainBatch.dp_bounds)."
+            )
+        refs = [ray.put(batch.shard(i)) for i in range(batch.num_shards)]
+        return [refs[d] for d in self.dp_ranks]
+
+    def _first_of_each_replica(self, results: list[Any]) -> list[Any]:
+        """One result per data-parallel replica, in replica order."""
+        return [results[self.dp_ranks.index(d)] for d in range(self.data_parallel_size)]
+
+    def _call(self, method: str, *args: Any, per_rank: list[Any] | None = None) -> list[Any]:
+        """Run ``method`` on every rank (``per_rank[i]`` first, then ``args``); the results."""
+        import ray
+
+        refs = [
+            getattr(r, method).remote(*(() if per_rank is None else (per_rank[i],)), *args)
+            for i, r in enumerate(self.ranks)
+        ]
         try:
             return ray.get(refs, timeout=self._timeout)
         except ray.exceptions.GetTimeoutError as e:
@@ -452,17 +492,38 @@ class RayPolicy(Policy):
         return self._shape
 
     def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
-        """Log-probs on every rank; rank 0's result."""
+        """Log-probs on every rank; rank 0's result, or with data-parallel shards each
+        replica's shard, concatenated in shard order."""
         import ray
 
-        return self._call("compute_logprobs", self.role, ray.put(batch), with_entropy)[0]
+        shards = self._shards(batch) if batch.num_shards > 1 else None
+        if shards is None:
+            return self._call(
+                "compute_logprobs",
+                ray.put(batch),
+                with_entropy,
+                per_rank=[self.role] * len(self.ranks),
+            )[0]
+        outs = self._first_of_each_replica(
+            self._call("compute_logprobs_shard", self.role, with_entropy, per_rank=shards)
+        )
+        ent = [o.entropy for o in outs]
+        return LogProbOutput(
+            logprobs=torch.cat([o.logprobs for o in outs]),
+            entropy=torch.cat(ent) if with_entropy and all(e is not None for e in ent) else None,
+        )
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on every rank; rank 0's metrics."""
+        """One optimizer step on every rank (each data-parallel replica on its shard); rank 0's
+        metrics (a parallel policy reduces them over the replicas)."""
         import ray
 
         self._colocation.before_train()
-        metrics, version = self._call("train_step", ray.put(batch), loss_fn)[0]
+        shards = self._shards(batch)
+        if shards is None:
+            metrics, version = self._call("train_step", ray.put(batch), loss_fn)[0]
+        else:
+            metrics, version = self._call("train_step", loss_fn, per_rank=shards)[0]
         self._version = version
         return metrics
 
@@ -777,7 +838,7 @@ class RayRuntime:
             built = ray.get([r.build.remote(role, spec) for r in self.ranks])
         except ray.exceptions.RayActorError as e:
             raise RLError(f"policy ({role}): a policy rank died while building ({e}).") from e
-        version, shape = built[0]
+        version, shape, _ = built[0]
         proxy = RayPolicy(
             self.ranks,
             role=role,
@@ -785,6 +846,7 @@ class RayRuntime:
             shape=shape,
             timeout_s=self.config.policy_timeout_s,
             colocation=self.colocation,
+            dp_ranks=[dp for _, _, dp in built],
         )
         self._policies[role] = proxy
         return proxy

@@ -323,11 +323,22 @@ class TrainBatch:
     """``[N]`` ``Rollout.sample_id`` of each sequence."""
     micro_batch_bounds: tuple[int, ...] = ()
     """Sequence-index bounds ``[0, k1, ..., N]`` of the micro-batches; empty means one."""
+    dp_bounds: tuple[int, ...] = ()
+    """Sequence-index bounds ``[0, n1, ..., N]`` of the data-parallel shards, in rank order
+    (each also a micro-batch bound); empty means one shard. See :meth:`shard`."""
 
     def __post_init__(self) -> None:
         t = self.tokens.shape[0]
         if int(self.cu_seqlens[-1]) != t or int(self.cu_seqlens[0]) != 0:
             raise ValueError("TrainBatch: cu_seqlens must start at 0 and end at len(tokens).")
+        if self.dp_bounds:
+            n = self.num_sequences
+            mb = set(self.micro_batch_bounds or (0, n))
+            if self.dp_bounds[0] != 0 or self.dp_bounds[-1] != n or not mb >= set(self.dp_bounds):
+                raise ValueError(
+                    f"TrainBatch.dp_bounds {self.dp_bounds}: must run from 0 to {n} along "
+                    "micro-batch bounds."
+                )
         for name in (
             "loss_mask",
             "loss_weights",
@@ -363,33 +374,54 @@ class TrainBatch:
         starts_T = self.cu_seqlens[:-1][self.seq_index()]
         return torch.arange(self.num_tokens) - starts_T
 
+    def _sequences(self, a: int, b: int, micro_batch_bounds: tuple[int, ...] = ()) -> TrainBatch:
+        """Sequences ``a..b`` as a self-contained batch (per-token tensors cut, offsets rebased)."""
+        t0, t1 = int(self.cu_seqlens[a]), int(self.cu_seqlens[b])
+
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[t0:t1]
+
+        return TrainBatch(
+            tokens=self.tokens[t0:t1],
+            cu_seqlens=self.cu_seqlens[a : b + 1] - t0,
+            loss_mask=self.loss_mask[t0:t1],
+            loss_weights=self.loss_weights[t0:t1],
+            advantages=self.advantages[t0:t1],
+            old_logprobs=cut(self.old_logprobs),
+            ref_logprobs=cut(self.ref_logprobs),
+            rollout_logprobs=cut(self.rollout_logprobs),
+            versions=cut(self.versions),
+            old_values=cut(self.old_values),
+            returns=cut(self.returns),
+            sample_ids=self.sample_ids[a:b],
+            micro_batch_bounds=micro_batch_bounds,
+        )
+
     def micro_batches(self) -> list[TrainBatch]:
         """Split along ``micro_batch_bounds`` into self-contained batches (one if no plan)."""
         bounds = self.micro_batch_bounds or (0, self.num_sequences)
-        out = []
-        for a, b in itertools.pairwise(bounds):
-            t0, t1 = int(self.cu_seqlens[a]), int(self.cu_seqlens[b])
+        return [self._sequences(a, b) for a, b in itertools.pairwise(bounds)]
 
-            def cut(x: torch.Tensor | None, t0: int = t0, t1: int = t1) -> torch.Tensor | None:
-                return None if x is None else x[t0:t1]
+    @property
+    def num_shards(self) -> int:
+        """Number of data-parallel shards (1 without ``dp_bounds``)."""
+        return max(1, len(self.dp_bounds) - 1)
 
-            out.append(
-                TrainBatch(
-                    tokens=self.tokens[t0:t1],
-                    cu_seqlens=self.cu_seqlens[a : b + 1] - t0,
-                    loss_mask=self.loss_mask[t0:t1],
-                    loss_weights=self.loss_weights[t0:t1],
-                    advantages=self.advantages[t0:t1],
-                    old_logprobs=cut(self.old_logprobs),
-                    ref_logprobs=cut(self.ref_logprobs),
-                    rollout_logprobs=cut(self.rollout_logprobs),
-                    versions=cut(self.versions),
-                    old_values=cut(self.old_values),
-                    returns=cut(self.returns),
-                    sample_ids=self.sample_ids[a:b],
-                )
-            )
-        return out
+    def shard(self, index: int) -> TrainBatch:
+        """The data-parallel shard ``index`` (sequences ``dp_bounds[index]..dp_bounds[index+1]``)
+        with its own micro-batch bounds; the whole batch when there are no ``dp_bounds``.
+
+        ``loss_weights`` are kept as they are: they were computed over the whole step, so the
+        shards' losses sum to the step loss (data-parallel gradients are summed, not averaged).
+        """
+        if not self.dp_bounds:
+            if index != 0:
+                raise IndexError(f"TrainBatch.shard({index}): the batch has one shard.")
+            return self
+        a, b = self.dp_bounds[index], self.dp_bounds[index + 1]
+        bounds = self.micro_batch_bounds or (0, self.num_sequences)
+        inner = tuple(x - a for x in bounds if a <= x <= b)
+        return self._sequences(a, b, inner if len(inner) > 1 else ())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
