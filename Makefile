@@ -44,7 +44,7 @@ format: setup
 bench: setup
 	$(BIN)/python benchmarks/balance.py
 	$(BIN)/python benchmarks/weightsync.py
-	$(BIN)/python benchmarks/rollout_reference.py
+	$(BIN)/python benchmarks/rollout.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

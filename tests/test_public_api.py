@@ -9,7 +9,7 @@ import pkgutil
 
 import pytest
 
-PACKAGES = ["rl_core", "rl_buffer", "rl_weightsync", "rl_trainer"]
+PACKAGES = ["rl_core", "rl_buffer", "rl_weightsync", "rl_sglang", "rl_trainer"]
 
 
 def _modules(package: str):

@@ -1,4 +1,4 @@
-"""Rollout throughput of the reference generator vs transformers' ``model.generate``.
+"""Rollout throughput: the reference generator, SGLang (CPU) and transformers' ``model.generate``.
 
 One GRPO-shaped batch: 16 chat prompts x 8 samples x 32 new tokens (temperature 1, no top-k/top-p,
 exactly 32 tokens per sample: EOS is disabled in both), on the same tiny random model, one thread.
@@ -8,13 +8,20 @@ Both sides return per-token log-probs: ``HFGenerator`` natively, ``generate`` th
 Rows:
 - ``HFGenerator (1 call)``: one ``generate`` call with all 128 requests;
 - ``HFGenerator (128 calls)``: 128 concurrent single-request calls (how a ``GenerateFn`` uses it);
+- ``SGLang CPU (1 server)``: ``SGLangGenerator`` on one real SGLang 0.5.23 server (CPU, stub CUDA
+  driver, torch-native attention, float32, ``ignore_eos``), all 128 requests in one call over
+  HTTP (token ids in, token ids and log-probs out). Its CPU time is spent in the server
+  processes, so the ``CPU s`` column (this process only) is not comparable and left empty;
 - ``transformers generate``: ``model.generate(do_sample=True, output_scores=True, ...)``.
+
+The server takes about a minute to start (not timed). ``--no-sglang`` skips its row (e.g. where
+``packages/rl-sglang/scripts/setup_sglang_env.sh`` has not been run).
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/rollout_reference.py [--hidden 64] [--trials 5]
+    OMP_NUM_THREADS=1 python benchmarks/rollout.py [--hidden 64] [--trials 5] [--no-sglang]
 
-Prints a table and writes ``benchmarks/results/rollout_reference.json``.
+Prints a table and writes ``benchmarks/results/rollout.json``.
 """
 
 from __future__ import annotations
@@ -42,9 +49,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "rollout_reference.json")
-    )
+    ap.add_argument("--no-sglang", action="store_true", help="skip the SGLang row")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "rollout.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -107,6 +113,25 @@ def main() -> None:
         for i in range(n)
     ]
 
+    sgl = None
+    if not args.no_sglang:
+        from rl_sglang import SGLangGenerator
+
+        sgl = SGLangGenerator(
+            SGLangGenerator.Config(
+                model_path=str(path),
+                stop_on_eos=False,
+                max_concurrency=1024,
+                health_interval_s=0,
+                server_args={"log_level": "warning"},
+            )
+        )
+
+    def run_sglang() -> int:
+        assert sgl is not None
+        res = asyncio.run(sgl.generate(reqs))
+        return sum(len(r.output_ids) for r in res)
+
     def run_ours_one_call() -> int:
         res = asyncio.run(gen.generate(reqs))
         return sum(len(r.output_ids) for r in res)
@@ -154,6 +179,7 @@ def main() -> None:
             "HFGenerator (128 calls)" if n == 128 else f"HFGenerator ({n} calls)",
             run_ours_many_calls,
         ),
+        *([("SGLang CPU (1 server)", run_sglang)] if sgl is not None else []),
         ("transformers generate", run_hf_generate),
     ]:
         fn()  # warm-up
@@ -173,8 +199,8 @@ def main() -> None:
                 "tokens_per_s_median": tokens / med,
                 "tokens_per_s_best": tokens / min(times),
                 "times_s": times,
-                "cpu_s_median": statistics.median(cpu),
-                "cpu_s_best": min(cpu),
+                "cpu_s_median": None if fn is run_sglang else statistics.median(cpu),
+                "cpu_s_best": None if fn is run_sglang else min(cpu),
             }
         )
 
@@ -188,15 +214,17 @@ def main() -> None:
         f"{'tok/s (best)':>14}{'CPU s (best)':>14}{'speed-up':>10}"
     )
     for r in rows:
+        cpu_s = "" if r["cpu_s_best"] is None else f"{r['cpu_s_best']:.4f}"
         print(
             f"{r['name']:<26}{r['median_s']:>18.4f}{r['best_s']:>9.4f}"
             f"{r['tokens_per_s_median']:>16.0f}{r['tokens_per_s_best']:>14.0f}"
-            f"{r['cpu_s_best']:>14.4f}{base / r['median_s']:>9.2f}x"
+            f"{cpu_s:>14}{base / r['median_s']:>9.2f}x"
         )
     print("speed-up: median wall seconds of transformers generate / those of the row. CPU s is")
-    print("process CPU time, less sensitive than wall time to other jobs on a shared machine.")
+    print("process CPU time, less sensitive than wall time to other jobs on a shared machine")
+    print("(empty for SGLang: its work runs in the server processes).")
     result = {
-        "benchmark": "rollout_reference",
+        "benchmark": "rollout",
         "config": vars(args) | {"model": f"qwen2 h{args.hidden} L2 vocab260"},
         "machine": {
             "platform": platform.platform(),
@@ -211,6 +239,8 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     asyncio.run(gen.close())
+    if sgl is not None:
+        asyncio.run(sgl.close())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""Session fixtures: SGLang installed in its own venv, a tiny model, ONE real SGLang server.
+
+The server (CPU, stub CUDA driver) is launched once per session by an owning
+:class:`SGLangGenerator` (``owner``); most tests attach to it with their own generator, after
+rewinding it to the base weights at version 0. Startup takes about a minute and ~4 GB RSS. The
+SGLang tests are not optional: if SGLang cannot be installed the session fails with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl_core.reference import TinyModelSpec, build_tiny_model
+from rl_sglang import SGLangGenerator, _cpu_support
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """Run scripts/setup_sglang_env.sh (fast when cached); the SGLang venv's interpreter."""
+    script = _cpu_support.setup_script()
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"SGLang is required by the rl-sglang tests and {script} failed (exit "
+            f"{proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
+            pytrace=False,
+        )
+    py = _cpu_support.default_python()
+    assert py.exists(), f"{script} succeeded but {py} is missing"
+    return str(py)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 (hidden 64, 2 layers) with the local tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(seed=0))
+
+
+@pytest.fixture(scope="session")
+def base_weights(tiny_model: Path) -> dict[str, torch.Tensor]:
+    """The tiny model's weights (version 0)."""
+    return load_file(str(tiny_model / "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def owner(
+    sglang_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangGenerator]:
+    """The session's SGLang server, launched and owned by this generator."""
+    gen = SGLangGenerator(
+        SGLangGenerator.Config(
+            model_path=str(tiny_model),
+            python=sglang_python,
+            log_dir=str(tmp_path_factory.mktemp("sglang-logs")),
+            server_args={"log_level": "warning"},
+            health_interval_s=1.0,
+            health_timeout_s=60.0,
+            health_failures=3,
+        )
+    )
+    procs = [p for p in gen.server_processes if p is not None]
+    yield gen
+    asyncio.run(gen.close())
+    procs += [p for p in gen.server_processes if p is not None]
+    left = {p.pid: p.group_pids() for p in procs}
+    assert not any(left.values()), f"SGLang processes left after close: {left}"
+
+
+def _perturbed(
+    weights: dict[str, torch.Tensor], seed: int, scale: float = 0.5
+) -> dict[str, torch.Tensor]:
+    """Every tensor plus Gaussian noise of ``scale`` times its own std (changes greedy outputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        std = float(t.float().std()) if t.numel() > 1 else 1.0
+        noise = torch.randn(t.shape, generator=gen) * scale * (std or 1.0)
+        out[name] = (t.float() + noise).to(t.dtype)
+    return out
+
+
+class Fingerprints:
+    """Teacher-forced log-probs of a fixed token sequence: from a server, and from transformers."""
+
+    PROBE: tuple[int, ...] = (5, 17, 42, 99, 3, 120, 64, 7, 250, 31, 11, 2)
+    """Token ids whose teacher-forced log-probs fingerprint the served weights."""
+
+    def served(self, url: str) -> tuple[torch.Tensor, str]:
+        """Log-probs of ``PROBE[1:]`` computed by the server at ``url``, and its weight version."""
+        body = {
+            "input_ids": list(self.PROBE),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        req = urllib.request.Request(
+            url + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out = json.loads(resp.read())
+        lps = [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]]
+        return torch.tensor(lps), str(out["meta_info"]["weight_version"])
+
+    def hf(self, weights: dict[str, torch.Tensor], model_dir: Path) -> torch.Tensor:
+        """The same log-probs from transformers with ``weights`` loaded."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        model.load_state_dict(weights, strict=False)
+        ids = torch.tensor([list(self.PROBE)])
+        with torch.no_grad():
+            logp_LV = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        return logp_LV.gather(1, ids[0, 1:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="session")
+def fp() -> Fingerprints:
+    """The weight fingerprints (``fp.served(url)``, ``fp.hf(weights, model_dir)``)."""
+    return Fingerprints()
+
+
+@pytest.fixture(scope="session")
+def perturbed() -> Callable[..., dict[str, torch.Tensor]]:
+    """``perturbed(weights, seed, scale=0.5)``: every tensor plus noise of its own scale."""
+    return _perturbed
+
+
+@pytest.fixture
+def attach(owner: SGLangGenerator, tiny_model: Path) -> Iterator[Callable[..., SGLangGenerator]]:
+    """``attach(**config)``: a generator attached to the session server, rewound to the base
+    weights at version 0; closed (server left running) after the test."""
+    made: list[SGLangGenerator] = []
+
+    def make(**kw: object) -> SGLangGenerator:
+        gen = SGLangGenerator(
+            SGLangGenerator.Config(
+                server_urls=tuple(owner.server_urls),
+                health_interval_s=0,
+                **kw,  # type: ignore[arg-type]
+            )
+        )
+        made.append(gen)
+        gen.load_weights_from_disk(str(tiny_model), version=0)
+        return gen
+
+    yield make
+    for gen in made:
+        asyncio.run(gen.close())

@@ -1,0 +1,53 @@
+"""The demo task learns with a real SGLang server generating (rl-sglang on CPU) while the
+reference policy trains; the weights reach the server after every step (in-process transport,
+SGLang's /update_weights_from_tensor), and every rollout was sampled by the current weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl_trainer.cli import recipe_path
+
+RL_STEPS = 40
+
+
+@pytest.mark.slow
+def test_demo_learns_with_sglang_generator(tmp_path, cli):
+    run_dir = tmp_path / "sglang_demo"
+    proc = cli(
+        "run",
+        str(recipe_path("sglang_demo")),
+        "--no-report",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        f"rl.steps={RL_STEPS}",
+        "--set",
+        f"eval.every={RL_STEPS // 2}",
+        "--set",
+        f"checkpoint.every={RL_STEPS}",
+        "--set",
+        "logging.progress=false",
+        "--set",
+        "logging.tensorboard=false",
+    )
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-5000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("eval/reward_mean") is not None]
+    assert evals[0]["phase"] == "rl" and evals[0]["step"] == 0
+    first, last = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
+    print(f"SGLang e2e: eval reward {first:.3f} -> {last:.3f} over {RL_STEPS} steps")
+    # Measured: 0.360 -> 0.399 (step 30) -> 0.426 (step 60); the reference generator's demo
+    # run gives 0.360 -> 0.405 at step 40.
+    assert last >= first + 0.02, f"eval reward {first:.3f} -> {last:.3f}"
+    rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0 and "perf/step_time" in r]
+    assert len(rl) == RL_STEPS
+    # Synchronous loop: weights synced before every round, no rollout from older weights.
+    assert all(r["rollout/staleness_max"] == 0 and r["perf/sync_time"] > 0 for r in rl)
+    half = RL_STEPS // 2
+    early = sum(r["rollout/reward_mean"] for r in rl[:half]) / half
+    late = sum(r["rollout/reward_mean"] for r in rl[-half:]) / half
+    assert late > early + 0.02, f"training reward {early:.3f} -> {late:.3f}"
