@@ -101,3 +101,22 @@ def test_tasks_score_and_hold_out():
     x, y = ex["prompt"][:-1].split("+")
     assert ex["label"] == str(int(x) + int(y))
     assert a.score(ex["label"], ex["label"])["exact"] == 1.0
+
+
+def test_engine_error_results_are_failed_rollouts_and_counted():
+    from rl_core.types import FinishReason, GenerationResult
+    from rl_trainer.rollout import rollout_from_result
+
+    prompt = Prompt(uid="p", input="x", token_ids=(1, 2), label="ab")
+    err = GenerationResult(
+        request_id="r",
+        output_ids=(),
+        output_logprobs=(),
+        finish_reason=FinishReason.ERROR,
+        weight_version=0,
+    )
+    r = rollout_from_result(prompt, err, "p/0")
+    assert r.status == RolloutStatus.FAILED and r.metadata["failure"] == "generation_error"
+    stats = RolloutStats()
+    asyncio.run(Scorer(lambda *a: 1.0, _Tok()).score([Group(prompt=prompt, rollouts=[r])], stats))
+    assert stats.failed == {"generation_error": 1} and r.reward is None

@@ -24,6 +24,7 @@ from rl_core.interfaces import (
     Tokenizer,
 )
 from rl_core.types import (
+    FinishReason,
     GenerationRequest,
     GenerationResult,
     Group,
@@ -63,6 +64,9 @@ def rollout_from_result(prompt: Prompt, result: GenerationResult, sample_id: str
         rollout_logprobs=tuple(result.output_logprobs),
         versions=(result.weight_version,) * r,
         status=result.finish_reason.to_status(),
+        metadata=(
+            {"failure": "generation_error"} if result.finish_reason == FinishReason.ERROR else {}
+        ),
     )
 
 

@@ -74,6 +74,9 @@ class FinishReason(enum.StrEnum):
     """``max_new_tokens`` was reached."""
     ABORT = "abort"
     """The request was aborted; the output holds the tokens sampled so far."""
+    ERROR = "error"
+    """The engine could not serve the request (it kept failing after retries); the rollout is
+    failed, not trained on, and counted."""
 
     def to_status(self) -> RolloutStatus:
         """The rollout status that corresponds to this finish reason."""
@@ -81,6 +84,7 @@ class FinishReason(enum.StrEnum):
             FinishReason.STOP: RolloutStatus.COMPLETED,
             FinishReason.LENGTH: RolloutStatus.TRUNCATED,
             FinishReason.ABORT: RolloutStatus.ABORTED,
+            FinishReason.ERROR: RolloutStatus.FAILED,
         }[self]
 
 
