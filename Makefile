@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python benchmarks/balance.py
 	$(BIN)/python benchmarks/weightsync.py
 	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/e2e.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,362 @@
+"""End-to-end GRPO on CPU: our local loop (sync and async) against TRL's ``GRPOTrainer``.
+
+The demo task (reverse a string, reward = position match) with the demo's tiny Qwen2 model
+(hidden 128, 2 layers, byte tokenizer). One SFT warm-up with our trainer produces a Hugging Face
+checkpoint; every system starts RL from it with the same settings:
+
+- prompts per step and their order (TRL gets the exact sequence our data source draws, unshuffled),
+  group size, max new tokens, temperature, learning rate (constant, AdamW, grad clip 1), PPO clip
+  ranges (0.2 / 0.28), token-mean loss (TRL ``loss_type="dapo"``), GRPO advantages, no KL
+  (``beta=0``; our ``use_reference=false``), one optimizer step per rollout batch;
+- the same held-out eval every ``--eval-every`` steps: greedy answers to the 128 held-out prompts
+  with ``HFGenerator`` and the task's reward (the code of ``Trainer.evaluate``, fed TRL's weights).
+
+Systems (each in its own process, one after the other, so they never compete for the cores):
+
+- ``ours sync``: generate, then train, step by step (1 torch thread);
+- ``ours async``: ``rl.async_generation=true, rl.max_staleness=1``: generation of step k+1 overlaps
+  training of step k (generator and trainer threads, 1 torch thread each, so up to 2 cores);
+- ``TRL``: ``GRPOTrainer`` on CPU (transformers ``generate``), from a separate venv
+  (``$RL_BENCH_HOME/trl``, default ``~/.cache/rl-bench/trl``) that this script creates if missing
+  with ``torch==2.13.0`` pinned and our pure-Python packages installed ``--no-deps``;
+- optional (``--systems ...,ours_ray``): the async loop on the ``ray`` runtime (a local 2-CPU
+  cluster, disaggregated policy and generator actors, ``disk_full`` weight transport).
+
+Reported per system: samples/s and response tokens/s over the RL phase with evaluation time
+excluded, wall time (eval excluded) until the held-out reward first reaches ``--target``, the eval
+curve, process CPU seconds and peak RSS (``wait4`` of the process).
+
+Usage::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/e2e.py          # 100 steps x 3 seeds, ~25 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/e2e.py --smoke  # 3 steps, 1 seed, ~1 min
+    ... --systems ours_sync,ours_async,trl,ours_ray                 # plus the Ray runtime row
+
+Prints a table and writes ``benchmarks/results/e2e.json`` (``--smoke`` writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results" / "e2e.json"
+WORKER = HERE / "_e2e_worker.py"
+OUR_PACKAGES = ("packages/rl-core", "packages/rl-buffer", "apps/trainer")
+TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0", "accelerate", "datasets")
+
+
+def bench_home() -> Path:
+    """Where the TRL venv and the run directories live."""
+    return Path(os.environ.get("RL_BENCH_HOME", Path.home() / ".cache" / "rl-bench"))
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The TRL venv's python; create the venv (torch pinned) if missing. Our packages are
+    (re)installed ``--no-deps`` every time, so the TRL side runs the current task and eval code."""
+    py = venv / "bin" / "python"
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    if not (venv / ".rl-bench-ok").exists():
+        print(f"creating the TRL venv in {venv} (a few minutes) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        # An exact torch pin: any looser resolution pulls the multi-GB CUDA build.
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *TRL_PINS], check=True, env=env)
+        (venv / ".rl-bench-ok").write_text(" ".join(TRL_PINS) + "\n")
+    subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            *(str(REPO / p) for p in OUR_PACKAGES),
+        ],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    return py
+
+
+def run_worker(python: str, mode: str, settings: Path, out: Path, log: Path) -> dict[str, Any]:
+    """Run one worker process; its result JSON plus wall time, CPU time and peak RSS."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        # cwd: the work dir (TRL must not start from a directory that holds a `vllm/` folder).
+        proc = subprocess.Popen(
+            [python, str(WORKER), mode, str(settings), str(out)],
+            cwd=settings.parent,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"{mode} worker failed (exit {proc.returncode}); log {log}:\n{tail}")
+    res = json.loads(out.read_text())
+    res["process_total_s"] = wall
+    res["cpu_s"] = usage.ru_utime + usage.ru_stime
+    res["peak_rss_mb"] = usage.ru_maxrss / 1024
+    return res
+
+
+def summarize(runs: list[dict[str, Any]], target: float, *, one_process: bool) -> dict[str, Any]:
+    """Throughput (pooled over seeds), time-to-target (median over seeds) and reward of one
+    system. ``one_process``: the worker process did all the work, so its CPU time and peak RSS
+    are the system's (not so on Ray, whose actors are other processes: those stay ``None``)."""
+    train_s = sum(r["train_s"] for r in runs)
+    cpu_s = sum(r["train_cpu_s"] for r in runs) if one_process else 0.0
+    samples = sum(r["samples"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    reach = [
+        next((c for c in r["curve"] if c["step"] > 0 and c["reward"] >= target), None) for r in runs
+    ]
+    hit = sorted(c["train_s"] for c in reach if c is not None)
+    hit_steps = sorted(c["step"] for c in reach if c is not None)
+    # Median over seeds, counting a seed that never got there as infinitely slow.
+    half = len(runs) // 2
+    ttt = hit[half] if len(hit) > half else None
+    stt = hit_steps[half] if len(hit_steps) > half else None
+    curve_steps = sorted({c["step"] for r in runs for c in r["curve"]})
+    mean_curve = []
+    for st in curve_steps:
+        vals = [c["reward"] for r in runs for c in r["curve"] if c["step"] == st]
+        mean_curve.append({"step": st, "reward": sum(vals) / len(vals), "n": len(vals)})
+    after0 = [c["reward"] for r in runs for c in r["curve"] if c["step"] > 0]
+    # Mean rollout (training) reward of the last 20 steps: 256 sampled answers a step, a less
+    # noisy per-step comparison than the greedy eval of 128 prompts.
+    last = [x for r in runs for x in r["train_reward_mean"][-20:] if x is not None]
+    return {
+        "seeds": len(runs),
+        "samples_per_s": samples / train_s if train_s > 0 else float("nan"),
+        "tokens_per_s": sum(r["response_tokens"] for r in runs) / train_s
+        if train_s > 0
+        else float("nan"),
+        "samples_per_cpu_s": samples / cpu_s if cpu_s > 0 else None,
+        "s_per_step": train_s / steps if steps else float("nan"),
+        "samples_per_s_by_seed": [r["samples"] / r["train_s"] for r in runs if r["train_s"] > 0],
+        "time_to_target_s": ttt,
+        "step_to_target": stt,
+        "seeds_reaching_target": len(hit),
+        "final_reward": sum(r["curve"][-1]["reward"] for r in runs) / len(runs),
+        "mean_eval_reward_after_0": sum(after0) / len(after0) if after0 else float("nan"),
+        "train_reward_last20": sum(last) / len(last) if last else float("nan"),
+        "mean_curve": mean_curve,
+        "phase_s_per_step": {
+            k: sum(r.get("perf_sums_s", {}).get(k, 0.0) for r in runs) / steps
+            for k in sorted({k for r in runs for k in r.get("perf_sums_s", {})})
+        },
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs) if one_process else None,
+        "process_cpu_s_mean": sum(r["cpu_s"] for r in runs) / len(runs) if one_process else None,
+    }
+
+
+LABELS = {
+    "ours_sync": "ours sync",
+    "ours_async": "ours async (stale 1)",
+    "ours_ray": "ours ray async (st 1)",
+    "trl": "TRL GRPOTrainer",
+}
+
+
+def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """The side-by-side table, the mean eval curves and the per-phase seconds per step."""
+    trl = results.get("trl", {}).get("summary")
+    print(
+        f"\nGRPO on the reverse task, qwen2 h128 L2, {args.prompts} prompts x {args.samples} "
+        f"samples, <= {args.max_new_tokens} new tokens, T={args.temperature}, lr {args.lr}, "
+        f"{args.steps} steps x seeds {args.seeds}, eval every {args.eval_every} "
+        "(128 held-out prompts, greedy)"
+    )
+    tgt = f"t->{args.target:.2f}"
+    print(
+        f"{'system':<22}{'samples/s':>10}{'tok/s':>7}{'s/step':>7}{'x TRL':>7}{'smp/CPUs':>9}"
+        f"{'x TRL':>7}{tgt + ' s':>10}{'@step':>6}{'hit':>5}{'final R':>8}{'mean R':>7}"
+        f"{'trainR':>7}"
+        f"{'RSS MB':>7}"
+    )
+    for name, res in results.items():
+        s = res["summary"]
+        r1 = s["samples_per_s"] / trl["samples_per_s"] if trl else float("nan")
+        spc = s["samples_per_cpu_s"]
+        r2 = spc / trl["samples_per_cpu_s"] if trl and spc else float("nan")
+        spc_s = f"{spc:>9.1f}" if spc else f"{'n/a':>9}"
+        rss_s = f"{s['peak_rss_mb']:>7.0f}" if s["peak_rss_mb"] else f"{'n/a':>7}"
+        ttt = f"{s['time_to_target_s']:.1f}" if s["time_to_target_s"] is not None else "never"
+        stt = str(s["step_to_target"]) if s["step_to_target"] is not None else "-"
+        print(
+            f"{LABELS[name]:<22}{s['samples_per_s']:>10.1f}{s['tokens_per_s']:>7.0f}"
+            f"{s['s_per_step']:>7.2f}{r1:>6.2f}x{spc_s}{r2:>6.2f}x"
+            f"{ttt:>10}{stt:>6}{s['seeds_reaching_target']:>3}/{s['seeds']}"
+            f"{s['final_reward']:>8.3f}{s['mean_eval_reward_after_0']:>7.3f}"
+            f"{s['train_reward_last20']:>7.3f}"
+            f"{rss_s}"
+        )
+    print("mean held-out eval reward per step (over seeds):")
+    steps_seen = sorted({c["step"] for r in results.values() for c in r["summary"]["mean_curve"]})
+    print(f"{'step':<22}" + "".join(f"{st:>6}" for st in steps_seen))
+    for name, res in results.items():
+        by = {c["step"]: c["reward"] for c in res["summary"]["mean_curve"]}
+        print(
+            f"{LABELS[name]:<22}"
+            + "".join(f"{by.get(st, float('nan')):>6.3f}" for st in steps_seen)
+        )
+    print("seconds per step by phase:")
+    for name, res in results.items():
+        ph = res["summary"]["phase_s_per_step"]
+        print(
+            f"  {LABELS[name]:<20}"
+            + ", ".join(f"{k.removeprefix('perf/')} {v:.3f}" for k, v in ph.items())
+        )
+    print(
+        "samples/s, tok/s (response tokens), s/step and t->target: RL wall time without the evals, "
+        "pooled over seeds;\nfinal R / mean R: held-out eval at the last step / over all evals "
+        "after step 0; trainR: mean rollout\nreward of the last 20 steps; smp/CPUs: samples per "
+        "process-CPU second (all threads; less "
+        "sensitive to other jobs); t->target\nand @step: median over seeds of the first eval at "
+        "or above the target; RSS: peak of the process (n/a on Ray:\nits actors are other "
+        "processes).\nasync runs generation and training in "
+        "two threads (up to 2 cores); sync and TRL use one.\nStill different: TRL samples with "
+        "transformers generate (its own RNG), pads instead of packing,\nuses std eps 1e-4 in "
+        "the advantage (ours 1e-6) and fused AdamW; async trains on rollouts one version stale."
+    )
+
+
+def main() -> None:
+    """Run SFT once, then every system for every seed; print the table and write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=100, help="RL steps per run")
+    ap.add_argument("--seeds", default="1,2,3", help="RL seeds (sampling and data order)")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--target", type=float, default=0.45, help="held-out reward to reach")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    ap.add_argument("--samples", type=int, default=8, help="group size")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--sft-steps", type=int, default=30)
+    ap.add_argument("--sft-seed", type=int, default=1)
+    ap.add_argument(
+        "--systems", default="ours_sync,ours_async,trl", help="comma list of systems to run"
+    )
+    ap.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    ap.add_argument("--smoke", action="store_true", help="3 steps, one seed, nothing written")
+    ap.add_argument("--work-dir", default=None, help="default: $RL_BENCH_HOME/e2e")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.eval_every, args.sft_steps, args.seeds = 3, 3, 5, "1"
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for name in systems:
+        if name not in LABELS:
+            raise SystemExit(f"--systems: unknown {name!r}; choose from {', '.join(LABELS)}")
+
+    work = Path(args.work_dir or bench_home() / ("e2e-smoke" if args.smoke else "e2e")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    trl_python = ensure_trl_venv(bench_home() / "trl") if "trl" in systems else None
+
+    base = {
+        "work_dir": str(work),
+        "seed": args.sft_seed,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "prompts_per_step": args.prompts,
+        "n_samples": args.samples,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "lr": args.lr,
+        "eps_low": 0.2,
+        "eps_high": 0.28,
+        "sft_steps": args.sft_steps,
+        "trl_threads": args.trl_threads,
+        "async": False,
+    }
+
+    def settings_file(name: str, **extra: Any) -> Path:
+        p = work / f"settings_{name}.json"
+        p.write_text(json.dumps({**base, **extra}, indent=2))
+        return p
+
+    print(f"SFT warm-up ({args.sft_steps} steps) -> {work / 'sft' / 'sft_model'}", flush=True)
+    sft = run_worker(
+        sys.executable, "sft", settings_file("sft"), work / "sft.json", work / "sft.log"
+    )
+    print(f"  SFT held-out reward {sft['curve'][-1]['reward']:.3f}", flush=True)
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    for i, seed in enumerate(seeds):
+        # Rotate the order per seed, so a burst of load from other jobs hits every system.
+        for name in systems[i % len(systems) :] + systems[: i % len(systems)]:
+            tag = f"{name}_s{seed}"
+            print(f"running {name} seed {seed} ({args.steps} steps) ...", flush=True)
+            if name == "trl":
+                assert trl_python is not None
+                py, mode = str(trl_python), "trl"
+            else:
+                py, mode = sys.executable, "ours"
+            st = settings_file(
+                tag,
+                seed=seed,
+                run_name=tag,
+                ray=name == "ours_ray",
+                **{"async": name in ("ours_async", "ours_ray")},
+            )
+            res = run_worker(py, mode, st, work / f"{tag}.json", work / f"{tag}.log")
+            res["seed"] = seed
+            runs[name].append(res)
+            print(
+                f"  {res['samples'] / res['train_s']:.1f} samples/s, final eval reward "
+                f"{res['curve'][-1]['reward']:.3f}",
+                flush=True,
+            )
+    results = {
+        name: {"summary": summarize(rs, args.target, one_process=name != "ours_ray"), "runs": rs}
+        for name, rs in runs.items()
+    }
+    print_table(results, args)
+    if args.smoke:
+        print("--smoke: results not written")
+        return
+    result = {
+        "benchmark": "e2e",
+        "config": vars(args) | {"model": "qwen2 h128 L2 vocab260 (demo recipe)"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_end": os.getloadavg(),
+            "note": "shared machine: other jobs ran during the measurement",
+        },
+        "sft": {
+            "eval_reward": sft["curve"][-1]["reward"],
+            "process_total_s": sft["process_total_s"],
+        },
+        "systems": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
