@@ -70,12 +70,33 @@ def owner(
             health_failures=3,
         )
     )
-    procs = [p for p in gen.server_processes if p is not None]
+    _OWNED.append((gen, [p for p in gen.server_processes if p is not None]))
     yield gen
-    asyncio.run(gen.close())
-    procs += [p for p in gen.server_processes if p is not None]
-    left = {p.pid: p.group_pids() for p in procs}
-    assert not any(left.values()), f"SGLang processes left after close: {left}"
+    _close_owned()
+
+
+_HERE = Path(__file__).parent
+_OWNED: list[tuple[SGLangGenerator, list]] = []
+
+
+def _close_owned() -> None:
+    """Close the session server (idempotent) and check that none of its processes is left."""
+    while _OWNED:
+        gen, procs = _OWNED.pop()
+        asyncio.run(gen.close())
+        procs += [p for p in gen.server_processes if p is not None]
+        left = {p.pid: p.group_pids() for p in procs}
+        assert not any(left.values()), f"SGLang processes left after close: {left}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Stop the session server as soon as the run leaves this directory: an idle server still
+    costs ~4 GB and its health probes keep a core busy, which would slow every later test."""
+    result = yield
+    if _OWNED and (nextitem is None or _HERE not in Path(nextitem.path).parents):
+        _close_owned()
+    return result
 
 
 def _perturbed(
