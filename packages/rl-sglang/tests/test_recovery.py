@@ -37,7 +37,7 @@ def test_killed_server_restarts_resyncs_and_requests_complete(
         GenerationRequest(
             request_id=f"c{i}",
             input_ids=(5, 17, 42, 99)[: 2 + i % 3],
-            sampling=SamplingParams(max_new_tokens=48, temperature=1.0),
+            sampling=SamplingParams(max_new_tokens=1024, temperature=1.0),
         )
         for i in range(12)
     ]

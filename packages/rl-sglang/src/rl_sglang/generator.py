@@ -253,6 +253,7 @@ class SGLangGenerator(Generator):
         self._closed = False
         self._seed_rng = random.Random(c.seed)
         self._live: dict[str, list[_Live]] = {}
+        self._abort_epoch = 0  # bumped by abort-all; generate() calls from before it are aborted
         self._source: tuple[str, Any] | None = None  # how to re-sync a restarted server
         self._router: ManagedProcess | None = None
         self._router_sem: asyncio.Semaphore | None = None
@@ -449,14 +450,18 @@ class SGLangGenerator(Generator):
             seeds.append(
                 r.sampling.seed if r.sampling.seed is not None else self._seed_rng.getrandbits(62)
             )
-        return await self._io.run(self._generate_all(list(requests), seeds))
+        # An abort-all issued after this call started covers its requests even if they are not
+        # registered on the I/O loop yet (a loaded machine can delay that past the abort).
+        epoch = self._abort_epoch
+        return await self._io.run(self._generate_all(list(requests), seeds, epoch))
 
     async def _generate_all(
-        self, requests: list[GenerationRequest], seeds: list[int]
+        self, requests: list[GenerationRequest], seeds: list[int], epoch: int
     ) -> list[GenerationResult]:
         lives = []
         for r in requests:
             live = _Live(r.request_id)
+            live.aborted = epoch != self._abort_epoch
             self._live.setdefault(r.request_id, []).append(live)
             lives.append(live)
         try:
@@ -656,7 +661,11 @@ class SGLangGenerator(Generator):
         """Abort the given (or all) requests; they return ABORT with their partial tokens.
 
         Requests still waiting for a slot return ABORT with no tokens. Unknown ids are ignored.
+        Aborting all also covers requests of :meth:`generate` calls already made but not yet
+        dispatched.
         """
+        if request_ids is None:
+            self._abort_epoch += 1
         await self._io.run(self._abort(None if request_ids is None else list(request_ids)))
 
     async def _abort(self, request_ids: list[str] | None) -> None:
