@@ -140,6 +140,18 @@ def test_abort_by_id_returns_partial(attach: Callable[..., SGLangGenerator]) -> 
     )
 
 
+def test_ignore_eos_mode_refuses_stop_ids(attach: Callable[..., SGLangGenerator]) -> None:
+    """With stop_on_eos=False SGLang's ignore_eos would also ignore the request's stop ids: the
+    request is refused with the fix, never run past its stops."""
+    from rl_core.errors import GenerationError
+
+    gen = attach(stop_on_eos=False)
+    with pytest.raises(GenerationError, match="ignores every stop id"):
+        asyncio.run(gen.generate([_req("s", P[:3], max_new_tokens=4, stop_token_ids=(5,))]))
+    (ok,) = asyncio.run(gen.generate([_req("n", P[:3], max_new_tokens=4)]))
+    assert ok.finish_reason == FinishReason.LENGTH and len(ok.output_ids) == 4
+
+
 @pytest.mark.parametrize("path", ["disk_full", "disk_delta", "tensor", "collective"])
 def test_weight_update_paths_serve_exact_version(
     path: str,

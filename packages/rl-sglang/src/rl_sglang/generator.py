@@ -168,8 +168,10 @@ class SGLangGenerator(Generator):
         pause_mode: str = "retract"
         """Default mode of :meth:`pause`: ``abort``, ``retract`` or ``in_place``."""
         stop_on_eos: bool = True
-        """Stop on the model's EOS and PAD ids (sent as ``stop_token_ids`` with every request);
-        ``False`` sends ``ignore_eos`` so only ``stop_token_ids`` end a response."""
+        """Stop on the model's EOS and PAD ids (sent as ``stop_token_ids`` with every request).
+        ``False`` sends SGLang's ``ignore_eos``, which makes SGLang ignore *every* stop id, so
+        responses end only at ``max_new_tokens``; requests (or ``extra_stop_token_ids``) with
+        stop ids are then refused rather than silently run past their stops."""
         extra_stop_token_ids: tuple[int, ...] = ()
         """More stop ids for every request."""
         seed: int = 0
@@ -446,6 +448,14 @@ class SGLangGenerator(Generator):
                 raise GenerationError(
                     f"SGLangGenerator.generate: request {r.request_id!r} has token ids outside "
                     f"[0, {v}); encode prompts with the served model's tokenizer."
+                )
+            if not self.config.stop_on_eos and (
+                r.sampling.stop_token_ids or self.config.extra_stop_token_ids
+            ):
+                raise GenerationError(
+                    f"SGLangGenerator.generate: request {r.request_id!r} has stop ids, but "
+                    "generator.stop_on_eos=false sends SGLang's ignore_eos, which ignores every "
+                    "stop id; set stop_on_eos=true or drop the stop ids."
                 )
             seeds.append(
                 r.sampling.seed if r.sampling.seed is not None else self._seed_rng.getrandbits(62)
