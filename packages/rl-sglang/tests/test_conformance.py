@@ -56,6 +56,16 @@ class TestSGLangConformance(GeneratorConformance):
         return torch.log_softmax(logits_RV.float() / t, -1)
 
     @pytest.mark.xfail(
+        strict=False,
+        reason="timing: the suite's requests stop on EOS/PAD, and on a quiet machine the tiny "
+        "random model often ends all un-aborted requests before the second abort; the same "
+        "behaviour is tested deterministically (EOS off) by "
+        "test_generator.py::test_abort_by_id_returns_partial",
+    )
+    def test_abort_by_id(self, generator: SGLangGenerator, prompts: list) -> None:
+        super().test_abort_by_id(generator, prompts)
+
+    @pytest.mark.xfail(
         strict=True,
         reason="SGLang applies sampling_seed only with --enable-deterministic-inference, which "
         "needs a GPU attention backend (fa3/flashinfer/triton); on CPU sampling is not seeded",
