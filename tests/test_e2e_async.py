@@ -152,3 +152,36 @@ def test_async_demo_learns_with_tis(tmp_path, cli):
     # The behaviour policy (one version old) differs from the trained one: TIS has work to do.
     assert all(r["train/mismatch"] > 0.01 for r in rl[1:])
     assert all(0 < r["train/tis_weight_mean"] <= 2.0 for r in rl)
+
+
+def test_partial_rollouts_resume_across_weight_updates(tiny_recipe, cli):
+    """``rl.partial_rollouts``: the generator (one request at a time, so a round outlasts a
+    training step) is interrupted by weight updates; aborted rollouts resume on the new version,
+    so rollouts span versions, never beyond ``max_staleness``, and the run finishes."""
+    recipe, run = tiny_recipe("partial", rl_steps=8)
+    _run(
+        cli,
+        recipe,
+        *ASYNC,
+        "--set",
+        "rl.partial_rollouts=true",
+        "--set",
+        "generator.max_batch_size=1",
+        "--set",
+        "rollout.sampling.max_new_tokens=12",
+        "--set",
+        "algorithm.loss.correction=tis",
+        # No eval or checkpoint mid-run: they drain the producer, so no update lands mid-round.
+        "--set",
+        "eval.every=0",
+        "--set",
+        "checkpoint.every=0",
+    )
+    rl = [r for r in _rows(run) if r["phase"] == "rl" and r["step"] > 0]
+    assert len(rl) == 8 and (run / "final_model").exists()
+    assert sum(r["rollout/partial_interruptions"] for r in rl) >= 2
+    assert sum(r["rollout/partial_resumed"] for r in rl) >= 2
+    assert any(r["rollout/multi_version_frac"] > 0 for r in rl)  # cut mid-response, resumed
+    assert all(r["rollout/staleness_max"] <= 1 for r in rl)
+    # Fresher than plain staleness-1 async (every token one version old after step 1).
+    assert sum(r["rollout/staleness_mean"] for r in rl[1:]) / len(rl[1:]) < 1.0

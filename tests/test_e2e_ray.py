@@ -13,6 +13,8 @@ as Ray actors of the session cluster, weights moving through a disk transport (`
   out, the engine is restarted on the current weights and serves the round);
 - a policy rank killed mid-run stops the run with an error (no hang) and leaves a checkpoint;
   resuming it on Ray gives exactly the uninterrupted run;
+- partial rollouts: requests aborted on every engine at a weight update resume on the new
+  weights, and the run learns;
 - two Megatron policy ranks (tensor parallel) learn.
 """
 
@@ -195,6 +197,26 @@ def test_async_staleness_one_learns_and_survives_a_killed_generator(ray_cluster,
     assert all(r["rollout/groups_kept"] == 8 for r in rl)
     assert [r["rollout/staleness_max"] for r in rl] == [0] + [1] * (len(rl) - 1)
     assert all(r["rollout/stale_dropped"] == 0 for r in rl)
+    _assert_learns(run)
+
+
+def test_partial_rollouts_resume_on_new_weights_across_engines(ray_cluster, tmp_path):
+    """``rl.partial_rollouts`` on Ray: a weight update released while a round generates aborts
+    the requests on both engines; they resume on the new version, so rollouts span versions
+    (never beyond ``max_staleness``), and the run learns."""
+    run = tmp_path / "partial"
+    _run(
+        run,
+        "rl.async_generation=true",
+        "rl.partial_rollouts=true",
+        "generator.max_batch_size=1",  # one request at a time: a round outlasts a train step
+        "algorithm.loss.correction=tis",
+    )
+    rl = [r for r in _rows(run) if r["phase"] == "rl" and r["step"]]
+    assert [r["step"] for r in rl] == list(range(1, 31))
+    assert sum(r["rollout/partial_interruptions"] for r in rl) >= 5
+    assert any(r["rollout/multi_version_frac"] > 0 for r in rl)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rl)
     _assert_learns(run)
 
 

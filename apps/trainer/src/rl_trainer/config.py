@@ -175,6 +175,15 @@ class RLConfig:
     being trained (they still count in their group's advantage baseline); ``None`` trains on
     every token within ``max_staleness``. Off-policy tokens can instead be reweighted with
     ``algorithm.loss.correction: tis``."""
+    partial_rollouts: bool = False
+    """With ``async_generation`` and ``max_staleness >= 1``: when the trainer releases new
+    weights while a round is generating, abort its in-flight requests, keep their partial
+    tokens (with per-token versions) in the buffer, load the new weights and resume them, so
+    rounds train on fresher tokens. A rollout's tokens may then span versions (all within
+    ``max_staleness``); mask the older part with ``buffer.mask_offpolicy_tokens: true`` or
+    ``rl.mask_older_than``, or reweight it with ``algorithm.loss.correction: tis``. Needs the
+    default single-turn generation (no ``rollout.generate_fn``) and a generator that supports
+    abort. Where an abort lands depends on timing, so runs are not bit-reproducible."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -379,6 +388,17 @@ def load_trainer_config(
     if cfg.rl.mask_older_than is not None and cfg.rl.mask_older_than < 0:
         raise ConfigError(
             f"rl.mask_older_than: must be >= 0 or null, got {cfg.rl.mask_older_than}."
+        )
+    if cfg.rl.partial_rollouts and not (cfg.rl.async_generation and cfg.rl.max_staleness >= 1):
+        raise ConfigError(
+            "rl.partial_rollouts: needs rl.async_generation: true and rl.max_staleness >= 1 "
+            "(weights change during a round only when generation runs ahead of training); "
+            "set both or turn partial_rollouts off."
+        )
+    if cfg.rl.partial_rollouts and cfg.rollout.generate_fn is not None:
+        raise ConfigError(
+            "rl.partial_rollouts: resumes the default single-turn requests only; remove "
+            "rollout.generate_fn or turn partial_rollouts off."
         )
     _check_eval(cfg.eval)
     if cfg.algorithm.advantage == "gae" and cfg.critic is None:

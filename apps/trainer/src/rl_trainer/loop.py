@@ -69,7 +69,14 @@ from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import build_eval_sets
 from rl_trainer.metrics import MetricsLogger
 from rl_trainer.pipeline import RolloutPipeline, Weights
-from rl_trainer.rollout import RolloutStats, Scorer, filter_groups, generate_groups
+from rl_trainer.rollout import (
+    PartialStats,
+    RolloutStats,
+    Scorer,
+    filter_groups,
+    generate_groups,
+    generate_groups_resumable,
+)
 
 __all__ = ["Trainer"]
 
@@ -221,6 +228,11 @@ class Trainer:
         )
         if self.generate_fn is not None:
             registry.check_callable(self.generate_fn, object, field="rollout.generate_fn", n_args=2)
+        if cfg.rl.partial_rollouts and not getattr(self.buffer, "supports_partial", False):
+            raise ConfigError(
+                f"rl.partial_rollouts: buffer type {cfg.buffer.type!r} has no partial store "
+                "(put_partial/take_partial); use buffer.type: fifo or turn partial_rollouts off."
+            )
 
         # Algorithm.
         alg = cfg.algorithm
@@ -509,15 +521,26 @@ class Trainer:
         )
         gen_tokens, gen_time = 0, 0.0
         round_ = 0
+        partial = PartialStats() if self.config.rl.partial_rollouts else None
         while not self.sampler.full:
             prompts = self.train_data.next_prompts(self.sampler.request_size())
             t0 = time.perf_counter()
-            groups = await self._generate(
-                prompts,
-                cfg.sampling.to_params(),
-                cfg.n_samples,
-                (self.config.seed, "rl", step, round_),
-            )
+            seed_parts = (self.config.seed, "rl", step, round_)
+            if partial is not None and self.pipeline is not None:
+                groups = await generate_groups_resumable(
+                    prompts,
+                    generator=self.generator,
+                    buffer=self.buffer,
+                    sampling=cfg.sampling.to_params(),
+                    n_samples=cfg.n_samples,
+                    seed_parts=seed_parts,
+                    updates=self.pipeline,
+                    stats=partial,
+                )
+            else:
+                groups = await self._generate(
+                    prompts, cfg.sampling.to_params(), cfg.n_samples, seed_parts
+                )
             gen_time += time.perf_counter() - t0
             gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
             await self.scorer.score(groups, stats)
@@ -532,7 +555,12 @@ class Trainer:
                     "almost everything (see rollout/dropped/*). Relax them or raise max_rounds."
                 )
         self.buffer.put(self.sampler.pop_batch())
-        return self._round_metrics(scored, stats, stale, gen_tokens, gen_time)
+        record = self._round_metrics(scored, stats, stale, gen_tokens, gen_time)
+        if partial is not None:
+            record["rollout/partial_interruptions"] = partial.interruptions
+            record["rollout/partial_resumed"] = partial.resumed
+            record["rollout/partial_resumed_tokens"] = partial.resumed_tokens
+        return record
 
     def _round_metrics(
         self,
@@ -582,9 +610,11 @@ class Trainer:
             )
         ages = [version - v for g in groups for r in g.rollouts for v in r.versions]
         lag = [version - r.min_version for g in groups for r in g.rollouts if r.versions]
+        spans = [len(set(r.versions)) > 1 for g in groups for r in g.rollouts]
         return groups, {
             "rollout/groups_kept": len(groups),
             "rollout/off_policy_frac": _mean([float(a > 0) for a in lag]),
+            "rollout/multi_version_frac": _mean([float(x) for x in spans]),
             "rollout/staleness_mean": _mean(ages),
             "rollout/staleness_max": max(ages, default=0),
         }
@@ -836,6 +866,11 @@ class Trainer:
                 await self.runtime.build_transport(self._transport_spec(start))
             else:
                 self.generator = registry.build("generator", gen_spec, field="generator")
+            if cfg.rl.partial_rollouts and not self.generator.supports_abort:
+                raise ConfigError(
+                    f"rl.partial_rollouts: generator {cfg.generator.type!r} cannot abort "
+                    "requests; use a generator that can (hf, sglang) or turn partial_rollouts off."
+                )
             if cfg.algorithm.use_reference:
                 self.reference = self._build_policy(
                     start, role="reference", temperature=temperature

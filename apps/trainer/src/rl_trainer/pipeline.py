@@ -24,6 +24,16 @@ resume exactly, and ``max_staleness = 0`` is the synchronous run):
 - Evaluation and checkpoints at step ``k`` first :meth:`RolloutPipeline.drain` the producer: it
   finishes every round that needs a version before ``k`` and then waits for ``k``. The generator
   is idle, the buffer holds whole rounds, nothing is in flight.
+
+Partial rollouts (``rl.partial_rollouts``) trade that reproducibility for fresher data: a round
+still starts on (at least) the version it needs, but when the trainer releases a newer version
+while the round is generating, the round's in-flight requests are aborted, their partial tokens
+wait in the buffer with their versions, the generator loads the newest released version
+(:meth:`RolloutPipeline.catch_up`) and the rollouts resume on it
+(:func:`rl_trainer.rollout.generate_groups_resumable` waits on
+:meth:`RolloutPipeline.newer_than`). A rollout's tokens then span versions, none older than the
+round's needed version, so the ``max_staleness`` bound holds; where the abort lands depends on
+timing, so such runs are not bit-reproducible.
 """
 
 from __future__ import annotations
@@ -136,6 +146,23 @@ class RolloutPipeline:
                 self._weights[version] = weights
             self._released = version
             self._cond.notify_all()
+
+    # ----------------------------------------------------------------------------- partial rollouts
+    async def newer_than(self, version: int) -> None:
+        """Return once a version newer than ``version`` is released (or the producer must stop)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._check() or self._released > version)
+
+    async def catch_up(self) -> int:
+        """Bring the generator to the newest released version (between a round's aborted and
+        resumed requests); returns that version."""
+        async with self._cond:
+            newest = self._released
+            weights = self._weights.pop(newest, None)
+            for v in [v for v in self._weights if v < newest]:
+                del self._weights[v]
+        await self.serve(newest, weights)
+        return newest
 
     async def drain(self, version: int) -> None:
         """Wait until every round that needs a version below ``version`` is produced and the

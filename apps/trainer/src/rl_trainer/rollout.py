@@ -11,10 +11,12 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from rl_buffer.partial import continue_rollout, resume_request
 from rl_core.errors import RewardError
 from rl_core.interfaces import (
+    Buffer,
     GenerateFn,
     Generator,
     GroupFilter,
@@ -35,12 +37,16 @@ from rl_core.types import (
 )
 
 __all__ = [
+    "PartialStats",
     "RolloutStats",
     "Scorer",
+    "WeightUpdates",
     "derive_seed",
     "filter_groups",
     "generate_groups",
+    "generate_groups_resumable",
     "rollout_from_result",
+    "sample_requests",
 ]
 
 
@@ -70,6 +76,25 @@ def rollout_from_result(prompt: Prompt, result: GenerationResult, sample_id: str
     )
 
 
+def sample_requests(
+    prompts: Sequence[Prompt],
+    sampling: SamplingParams,
+    n_samples: int,
+    seed_parts: tuple[Any, ...],
+) -> list[GenerationRequest]:
+    """The default path's requests: ``n_samples`` per prompt, prompt-major, each with its own
+    derived seed and the id ``<prompt uid>/<sample index>``."""
+    return [
+        GenerationRequest(
+            request_id=f"{p.uid}/{j}",
+            input_ids=tuple(p.token_ids),
+            sampling=dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i, j)),
+        )
+        for i, p in enumerate(prompts)
+        for j in range(n_samples)
+    ]
+
+
 async def generate_groups(
     prompts: Sequence[Prompt],
     *,
@@ -87,15 +112,7 @@ async def generate_groups(
     batches them; a custom ``generate_fn`` is called once per prompt, concurrently.
     """
     if generate_fn is None:
-        requests = []
-        for i, p in enumerate(prompts):
-            for j in range(n_samples):
-                params = dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i, j))
-                requests.append(
-                    GenerationRequest(
-                        request_id=f"{p.uid}/{j}", input_ids=tuple(p.token_ids), sampling=params
-                    )
-                )
+        requests = sample_requests(prompts, sampling, n_samples, seed_parts)
         results = await generator.generate(requests)
         groups = []
         for i, p in enumerate(prompts):
@@ -117,6 +134,126 @@ async def generate_groups(
         return Group(prompt=p, rollouts=list(rollouts))
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+class WeightUpdates(Protocol):
+    """What resumable generation needs from whoever releases new weights (the rollout
+    pipeline, :class:`rl_trainer.pipeline.RolloutPipeline`)."""
+
+    async def newer_than(self, version: int) -> None:
+        """Return once a version newer than ``version`` is released."""
+        ...
+
+    async def catch_up(self) -> int:
+        """Load the newest released version into the generator; returns it."""
+        ...
+
+
+@dataclass(slots=True)
+class PartialStats:
+    """What partial rollouts did in one round."""
+
+    interruptions: int = 0
+    """Weight updates that cut the round's generation short."""
+    resumed: int = 0
+    """Requests resumed on newer weights (a rollout resumed twice counts twice)."""
+    resumed_tokens: int = 0
+    """Response tokens the resumed requests had already sampled (kept, not regenerated)."""
+
+
+async def generate_groups_resumable(
+    prompts: Sequence[Prompt],
+    *,
+    generator: Generator,
+    buffer: Buffer,
+    sampling: SamplingParams,
+    n_samples: int,
+    seed_parts: tuple[Any, ...],
+    updates: WeightUpdates,
+    stats: PartialStats,
+) -> list[Group]:
+    """The default single-turn sampling of :func:`generate_groups`, interruptible by weight
+    updates (``rl.partial_rollouts``).
+
+    While the requests generate, a newer released version (``updates.newer_than``) aborts them:
+    the rollouts so far (tokens, log-probs, per-token versions) go to the buffer's partial store
+    (``buffer.put_partial``) while the generator loads the newest version
+    (``updates.catch_up``), then come back out (``buffer.take_partial``) and continue
+    token-in/token-out on the new weights with the rest of their ``max_new_tokens`` budget and a
+    fresh seed per (sample, version). Groups are returned when every rollout finished; a rollout
+    whose budget ran out exactly at the abort is truncated.
+    """
+    requests = sample_requests(prompts, sampling, n_samples, seed_parts)
+    prompt_of = {q.request_id: prompts[k // n_samples] for k, q in enumerate(requests)}
+    index_of = {q.request_id: k for k, q in enumerate(requests)}
+    done: dict[str, Rollout] = {}
+    pending = requests
+    while pending:
+        served = generator.weight_version
+        gen = asyncio.ensure_future(generator.generate(pending))
+        newer = asyncio.ensure_future(updates.newer_than(served))
+        try:
+            await asyncio.wait({gen, newer}, return_when=asyncio.FIRST_COMPLETED)
+            interrupted = not gen.done()
+            if interrupted:
+                await generator.abort()
+            results = await gen
+        finally:
+            newer.cancel()
+            if not gen.done():
+                gen.cancel()
+        for res in results:
+            rid = res.request_id
+            prev = done.get(rid)
+            if prev is None:
+                done[rid] = rollout_from_result(prompt_of[rid], res, rid)
+            else:
+                r = continue_rollout(prev, res)
+                if res.finish_reason == FinishReason.ERROR:
+                    r.metadata["failure"] = "generation_error"
+                done[rid] = r
+        aborted = [
+            q.request_id for q in pending if done[q.request_id].status == RolloutStatus.ABORTED
+        ]
+        if not aborted or not interrupted:
+            break  # aborted by someone else (not a weight update): those rollouts stay aborted
+        stats.interruptions += 1
+        # The partial rollouts wait in the buffer, with their versions, while the weights change.
+        waiting = sorted({index_of[rid] // n_samples for rid in aborted})
+        parked = [
+            Group(
+                prompt=prompts[i],
+                rollouts=[
+                    done[q.request_id] for q in requests[i * n_samples : (i + 1) * n_samples]
+                ],
+            )
+            for i in waiting
+        ]
+        buffer.put_partial(parked)
+        version = await updates.catch_up()
+        pending = []
+        for g in buffer.take_partial(len(parked)):
+            for r in g.rollouts:
+                if r.status != RolloutStatus.ABORTED:
+                    continue
+                base = requests[index_of[r.sample_id]].sampling
+                params = dataclasses.replace(
+                    base, seed=derive_seed(*seed_parts, index_of[r.sample_id], "resume", version)
+                )
+                req = resume_request(r, params, request_id=r.sample_id)
+                if req is None:  # the abort landed on the budget's last token
+                    done[r.sample_id] = dataclasses.replace(r, status=RolloutStatus.TRUNCATED)
+                    continue
+                pending.append(req)
+                stats.resumed += 1
+                stats.resumed_tokens += r.response_length
+    return [
+        Group(
+            prompt=p,
+            rollouts=[done[q.request_id] for q in requests[i * n_samples : (i + 1) * n_samples]],
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 @dataclass(slots=True)

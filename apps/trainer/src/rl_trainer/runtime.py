@@ -310,11 +310,12 @@ class GeneratorEngine:
         self.generator: Any = None
         self.receiver: WeightTransport | None = None
 
-    async def build(self, spec: ComponentSpec) -> tuple[int, bool]:
+    async def build(self, spec: ComponentSpec) -> tuple[int, bool, bool]:
         """Build the generator; returns the served version and whether the backend can release
-        memory."""
+        memory and abort requests."""
         self.generator = registry.build("generator", spec, field="generator")
-        return self.generator.weight_version, type(self.generator).supports_memory_release
+        cls = type(self.generator)
+        return self.generator.weight_version, cls.supports_memory_release, cls.supports_abort
 
     async def set_receiver(self, spec: ComponentSpec) -> None:
         """Build the receiver side of the weight transport."""
@@ -336,6 +337,10 @@ class GeneratorEngine:
     async def health(self) -> bool:
         """``Generator.health``."""
         return await self.generator.health()
+
+    async def abort(self) -> None:
+        """``Generator.abort`` of every queued and running request."""
+        await self.generator.abort()
 
     async def pause(self) -> None:
         """``Generator.pause``: new requests wait until :meth:`resume`."""
@@ -562,8 +567,10 @@ class RayGeneratorPool(Generator):
         import ray
 
         ready = ray.get([e.build.remote(spec) for e in self.engines])
-        self._version = min(v for v, _ in ready)
-        self.supports_release = all(flag for _, flag in ready)
+        self._version = min(v for v, _, _ in ready)
+        self.supports_release = all(flag for _, flag, _ in ready)
+        self.supports_abort = all(flag for _, _, flag in ready)
+        """Every engine's backend can abort requests (``rl.partial_rollouts`` needs it)."""
         self.last_update: WeightUpdate | None = None
         self.restarts = 0
         """Engines restarted so far (died or hung)."""
@@ -642,7 +649,7 @@ class RayGeneratorPool(Generator):
             if path is not None:
                 spec = _options("generator", spec, model_path=path, initial_version=version)
             engine = self.runtime._start_engine(slot)
-            served, _ = await _await_ref(engine.build.remote(spec))
+            served, _, _ = await _await_ref(engine.build.remote(spec))
             if self.receiver_spec is not None:
                 await _await_ref(engine.set_receiver.remote(self.receiver_spec))
             if served != target and self.last_update is not None:
@@ -674,6 +681,17 @@ class RayGeneratorPool(Generator):
         await self._whole()  # engines that died restart on this update
         if all(v == update.version for v in versions):
             self._version = update.version  # else the loop reports the mismatch
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """Abort every in-flight request on every live engine (they return their partial
+        tokens); only abort-all is supported across engines."""
+        if request_ids is not None:
+            raise GenerationError(
+                "ray runtime: the generator pool aborts all requests only; call abort() "
+                "without request ids."
+            )
+        live = [e for i, e in enumerate(self.engines) if i not in self._restarting]
+        await asyncio.gather(*(_await_ref(e.abort.remote()) for e in live), return_exceptions=True)
 
     async def set_receiver(self, spec: ComponentSpec) -> None:
         """Build the receiver side of the weight transport on every engine."""
