@@ -268,6 +268,57 @@ def test_policy_rank_failure_stops_and_resume_matches(sync_run, tmp_path):
     assert _same_weights(_weights(run), _weights(sync_run))
 
 
+def _assert_same_records(a_dir: Path, b_dir: Path) -> list[dict]:
+    """The runs logged the same steps with the same metrics (floats within 1e-5)."""
+    a, b = _records(a_dir), _records(b_dir)
+    assert [(r["phase"], r["step"]) for r in a] == [(r["phase"], r["step"]) for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k, v in ra.items():
+            if isinstance(v, float):
+                assert v == pytest.approx(rb[k], rel=1e-5, abs=1e-7), k
+            else:
+                assert v == rb[k], k
+    return a
+
+
+SHORT = ("runtime.generator.count=1", "rl.steps=6", "eval.every=3", "checkpoint.every=0")
+
+
+@pytest.fixture(scope="module")
+def short_local_run(tmp_path_factory):
+    """The short run of the critic and driver-generator tests on the local runtime."""
+    run_dir = tmp_path_factory.mktemp("local") / "short"
+    _run(run_dir, *SHORT, "critic.type=hf", "algorithm.advantage=gae", "runtime.type=local")
+    return run_dir
+
+
+def test_critic_on_the_policy_ranks_matches_the_local_run(short_local_run, tmp_path):
+    """PPO with a critic on Ray: the critic lives in the policy rank actor (role ``critic``),
+    values feed GAE in the driver, value steps and checkpoints run on the rank, and the run
+    equals the same run on the local runtime."""
+    on_ray = tmp_path / "critic_ray"
+    trainer = _run(on_ray, *SHORT, "critic.type=hf", "algorithm.advantage=gae")
+    assert type(trainer.critic).__name__ == "RayCritic"
+    a = _assert_same_records(on_ray, short_local_run)
+    rl = [r for r in a if r["phase"] == "rl" and r["step"]]
+    assert all(r["critic/grad_norm"] > 0 for r in rl)
+    ckpt = max((on_ray / "checkpoints").iterdir())
+    assert (ckpt / "critic").is_dir() and (ckpt / "policy").is_dir()
+
+
+def test_generator_in_the_driver_matches_the_local_run(ray_cluster, short_local_run, tmp_path):
+    """``runtime.generator.count=0``: no engine actors; the driver builds the generator (as
+    for external SGLang servers, here the reference one) and loads each version the policy rank
+    publishes on disk; the run equals the local one."""
+    run = tmp_path / "driver_generator"
+    trainer = _run(
+        run, *SHORT, "critic.type=hf", "algorithm.advantage=gae", "runtime.generator.count=0"
+    )
+    assert trainer.runtime.pool is None and trainer.runtime.driver_generator is not None
+    _assert_same_records(run, short_local_run)
+
+
 @pytest.mark.slow
 def test_megatron_tensor_parallel_ranks_learn(ray_cluster, tmp_path):
     """Two Megatron policy ranks (TP=2) form their own gloo world inside the actors."""
@@ -320,6 +371,19 @@ def test_megatron_data_parallel_replicas_split_the_batch_and_learn(ray_cluster, 
             "not a multiple of policy tp_size",
         ),
         (["runtime.layout=colocated"], "runtime.generator.count: 2 generators"),
+        (
+            ["runtime.generator.count=0", "weight_transport.type=sglang_collective"],
+            "with runtime.generator.count=0",
+        ),
+        (
+            [
+                "runtime.policy.count=2",
+                "policy.type=megatron",
+                "critic.type=hf",
+                "algorithm.advantage=gae",
+            ],
+            "critic.type: 'hf' trains in one process",
+        ),
     ],
 )
 def test_unsupported_settings_fail_before_ray_starts(tmp_path, overrides, message):

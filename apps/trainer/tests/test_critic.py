@@ -83,5 +83,3 @@ def test_critic_config_errors(tiny_recipe_dict):
     r["algorithm"] = {"advantage": "grpo"}
     with pytest.raises(ConfigError, match="critic: set, but algorithm.advantage is 'grpo'"):
         load_trainer_config(r)
-    with pytest.raises(ConfigError, match="critic: runs on the local runtime only"):
-        load_trainer_config(_recipe(tiny_recipe_dict, "x", runtime="ray"))

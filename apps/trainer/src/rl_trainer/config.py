@@ -257,7 +257,10 @@ class RoleResources:
     """Processes of one role on the ``ray`` runtime and what each reserves."""
 
     count: int = 1
-    """Processes (Ray actors): SPMD ranks of the policy, or generator engines."""
+    """Processes (Ray actors): SPMD ranks of the policy, or generator engines. A generator
+    count of 0 builds the generator in the driver instead: a client of servers managed outside
+    Ray (e.g. ``generator: {type: sglang, url: http://router:30000}``) with a file weight
+    transport on a shared filesystem."""
     cpus: float = 1.0
     """CPUs reserved per process (its placement-group bundle share)."""
     gpus: float = 0.0
@@ -405,11 +408,6 @@ def load_trainer_config(
         raise ConfigError(
             "algorithm.advantage: 'gae' needs critic values; set critic (e.g. {type: hf}) or "
             "use a critic-free estimator (grpo, rloo, reinforce_pp)."
-        )
-    if cfg.critic is not None and cfg.runtime.type != "local":
-        raise ConfigError(
-            "critic: runs on the local runtime only so far; use runtime.type: local or a "
-            "critic-free estimator (algorithm.advantage: grpo) on the ray runtime."
         )
     if cfg.critic is not None and cfg.algorithm.advantage != "gae":
         raise ConfigError(

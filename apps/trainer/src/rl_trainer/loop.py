@@ -294,7 +294,7 @@ class Trainer:
         spec = self._transport_spec(start_path)
         fields = self._config_fields("weight_transport", spec)
         if self.runtime is not None:  # ray: sender on policy rank 0, receivers in the engines
-            return None, None
+            return None, self.runtime.receiver  # (or in this driver, for a driver generator)
         if not {"rank", "world_size"} <= fields:
             sender = registry.build("weight_transport", spec, field="weight_transport")
             return sender, sender
@@ -331,6 +331,8 @@ class Trainer:
             type=spec.type,
             options={"seed": self.config.seed, **spec.options, "model_path": model_path},
         )
+        if self.runtime is not None:
+            return self.runtime.build_critic(spec)
         return registry.build("critic", spec, field="critic")
 
     @property
@@ -460,6 +462,20 @@ class Trainer:
             dp_bounds.append(len(order))
         return order, tuple(sorted(set(bounds))), tuple(dp_bounds)
 
+    def _pack(
+        self, rollouts: Sequence[Rollout], *, mask_versions_below: int | None = None
+    ) -> tuple[TrainBatch, list[int]]:
+        """Plan (:meth:`_plan`) and pack ``rollouts``: the batch, with its micro-batch and
+        data-parallel shard bounds, and the order its sequences are in."""
+        order, bounds, dp_bounds = self._plan(rollouts)
+        batch = pack_rollouts(
+            [rollouts[i] for i in order],
+            micro_batch_bounds=bounds,
+            mask_versions_below=mask_versions_below,
+        )
+        batch.dp_bounds = dp_bounds
+        return batch, order
+
     def _sft_rollouts(self, prompts: Sequence[Prompt]) -> list[Rollout]:
         eos = self.tokenizer.eos_token_id
         out = []
@@ -489,9 +505,7 @@ class Trainer:
         t0 = time.perf_counter()
         prompts = self.train_data.next_prompts(cfg.sft.batch_size)
         rollouts = self._sft_rollouts(prompts)
-        order, bounds, dp_bounds = self._plan(rollouts)
-        batch = pack_rollouts([rollouts[i] for i in order], micro_batch_bounds=bounds)
-        batch.dp_bounds = dp_bounds
+        batch, _ = self._pack(rollouts)
         m = self.policy.train_step(batch, SFTLoss())
         dt = time.perf_counter() - t0
         self.state["sft_step"] += 1
@@ -641,15 +655,11 @@ class Trainer:
         alg = self.config.algorithm
         rollouts = [r for g in groups for r in g.rollouts]
         group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
-        order, bounds, dp_bounds = self._plan(rollouts)
-        rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
         keep = self.config.rl.mask_older_than
-        batch = pack_rollouts(
-            rollouts,
-            micro_batch_bounds=bounds,
-            mask_versions_below=self.policy.version - keep if keep is not None else None,
+        batch, order = self._pack(
+            rollouts, mask_versions_below=self.policy.version - keep if keep is not None else None
         )
-        batch.dp_bounds = dp_bounds
+        rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
         values = None
         if self.critic is not None:
             batch.old_values = self.critic.compute_values(batch)
@@ -921,7 +931,8 @@ class Trainer:
                 await self.generator.close()
             if self.transport is not None:
                 self.transport.close()
-            if self.receiver is not None and self.receiver is not self.transport:
+            # (the ray runtime closes its own receiver)
+            if self.receiver not in (None, self.transport) and self.runtime is None:
                 self.receiver.close()
             if self.runtime is not None:
                 self.runtime.shutdown()

@@ -43,7 +43,7 @@ import torch
 from rl_core import registry
 from rl_core.config import ComponentSpec
 from rl_core.errors import ConfigError, GenerationError, RLError
-from rl_core.interfaces import Generator, LossFn, Policy, WeightTransport
+from rl_core.interfaces import Critic, Generator, LossFn, Policy, ValueLossFn, WeightTransport
 from rl_core.types import (
     GenerationRequest,
     GenerationResult,
@@ -56,6 +56,7 @@ from rl_core.types import (
 __all__ = [
     "GeneratorEngine",
     "PolicyRank",
+    "RayCritic",
     "RayGeneratorPool",
     "RayPolicy",
     "RayRuntime",
@@ -81,10 +82,28 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
     transport's spec with its run defaults.
     """
     rc = config.runtime
-    for role in ("policy", "generator"):
+    for role, least in (("policy", 1), ("generator", 0)):
         res = getattr(rc, role)
-        if res.count < 1 or res.cpus < 0 or res.gpus < 0:
-            raise ConfigError(f"runtime.{role}: count must be >= 1 and cpus/gpus >= 0, got {res}.")
+        if res.count < least or res.cpus < 0 or res.gpus < 0:
+            raise ConfigError(
+                f"runtime.{role}: count must be >= {least} and cpus/gpus >= 0, got {res}."
+            )
+    if rc.generator.count == 0:
+        if rc.layout == "colocated":
+            raise ConfigError(
+                "runtime.generator.count: 0 (the generator runs in the driver) cannot share the "
+                "policy ranks' bundles; use runtime.layout=disaggregated."
+            )
+        cls = registry.resolve(
+            registry.GROUPS["weight_transport"], transport_spec.type, field="weight_transport.type"
+        )
+        if cls.__module__ not in _FILE_TRANSPORTS:
+            raise ConfigError(
+                f"weight_transport.type: {transport_spec.type!r} with runtime.generator.count=0 "
+                "(a generator in the driver, e.g. a client of external SGLang servers); use "
+                "weight_transport: {type: disk_full} or {type: disk_delta} on a filesystem the "
+                "policy rank and the servers share."
+            )
     if rc.layout == "colocated" and rc.generator.count > rc.policy.count:
         raise ConfigError(
             f"runtime.generator.count: {rc.generator.count} generators cannot share the bundles "
@@ -118,6 +137,22 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
             " trains in one process (no data or tensor parallelism). Use runtime.policy.count=1, "
             "or a parallel policy such as policy.type=megatron."
         )
+    if config.critic is not None and rc.policy.count > 1:
+        crit = registry.resolve(registry.GROUPS["critic"], config.critic.type, field="critic.type")
+        if crit.__module__.startswith("rl_core.reference"):
+            raise ConfigError(
+                f"critic.type: {config.critic.type!r} trains in one process, but the critic runs "
+                f"on the {rc.policy.count} policy ranks; use a parallel critic such as "
+                "critic.type=megatron, or runtime.policy.count=1."
+            )
+        copts = config.critic.options
+        for key in ("tp_size", "pp_size"):
+            if int(copts.get(key, 1)) != int(config.policy.options.get(key, 1)):
+                raise ConfigError(
+                    f"critic.{key}: {copts.get(key, 1)} differs from policy.{key} "
+                    f"{config.policy.options.get(key, 1)}; the critic shares the policy ranks "
+                    "and their layout, so set the same value."
+                )
     opts = config.policy.options
     model_parallel = int(opts.get("tp_size", 1)) * int(opts.get("pp_size", 1))
     if rc.policy.count % model_parallel:
@@ -191,35 +226,47 @@ class PolicyRank:
             MASTER_PORT=str(master_port),
         )
 
-    def build(self, role: str, spec: ComponentSpec) -> tuple[int, ModelShape, int]:
-        """Build the model of ``role`` (replacing an earlier one); returns version, shape and
-        this rank's data-parallel index (``layout.dp_rank`` of a parallel policy, else 0)."""
+    def build(
+        self, role: str, spec: ComponentSpec, kind: str = "policy"
+    ) -> tuple[int, ModelShape | None, int]:
+        """Build the model of ``role`` (replacing an earlier one) from the registry group of
+        ``kind`` (``policy`` or ``critic``); returns version, shape (policies only) and this
+        rank's data-parallel index (``layout.dp_rank`` of a parallel model, else 0)."""
 
-        def run() -> tuple[int, ModelShape, int]:
+        def run() -> tuple[int, ModelShape | None, int]:
             self.models.pop(role, None)
-            model = registry.build("policy", spec, field="policy")
+            model = registry.build(kind, spec, field=kind)
             self.models[role] = model
             layout = getattr(model, "layout", None)
-            return model.version, model.model_shape, int(getattr(layout, "dp_rank", 0))
+            shape = model.model_shape if kind == "policy" else None
+            return model.version, shape, int(getattr(layout, "dp_rank", 0))
 
         return self._on_model_thread(run)
 
-    def compute_logprobs(self, role: str, batch: TrainBatch, with_entropy: bool) -> LogProbOutput:
-        """``Policy.compute_logprobs`` of ``role``."""
+    def compute_values(self, batch: TrainBatch, role: str) -> torch.Tensor:
+        """``Critic.compute_values`` of ``role`` (on this rank's shard when sharded)."""
+        critic = self.models[role]
+        return self._on_model_thread(lambda: critic.compute_values(batch))
+
+    def critic_train_step(
+        self, batch: TrainBatch, role: str, loss_fn: ValueLossFn
+    ) -> tuple[dict[str, float], int]:
+        """``Critic.train_step`` of ``role``; returns the metrics and the new version."""
+        critic = self.models[role]
+        return self._on_model_thread(lambda: (critic.train_step(batch, loss_fn), critic.version))
+
+    def compute_logprobs(self, batch: TrainBatch, role: str, with_entropy: bool) -> LogProbOutput:
+        """``Policy.compute_logprobs`` of ``role`` (on this rank's shard when sharded)."""
         model = self.models[role]
         return self._on_model_thread(
             lambda: model.compute_logprobs(batch, with_entropy=with_entropy)
         )
 
-    def compute_logprobs_shard(
-        self, batch: TrainBatch, role: str, with_entropy: bool
-    ) -> LogProbOutput:
-        """``compute_logprobs`` of ``role`` on this rank's data-parallel shard."""
-        return self.compute_logprobs(role, batch, with_entropy)
-
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], int]:
-        """``Policy.train_step`` of the policy; returns the metrics and the new version."""
-        policy = self.models["policy"]
+    def train_step(
+        self, batch: TrainBatch, role: str, loss_fn: LossFn
+    ) -> tuple[dict[str, float], int]:
+        """``Policy.train_step`` of ``role``; returns the metrics and the new version."""
+        policy = self.models[role]
         return self._on_model_thread(lambda: (policy.train_step(batch, loss_fn), policy.version))
 
     def save(self, role: str, directory: str, with_optimizer: bool) -> None:
@@ -413,12 +460,11 @@ class _Colocation:
             self.released = False
 
 
-class RayPolicy(Policy):
-    """A :class:`~rl_core.interfaces.Policy` whose model lives in the SPMD ranks of a Ray
-    policy group: every call runs on every rank; rank 0's result is returned. With several
-    data-parallel replicas (``dp_ranks``) each replica gets its shard of a planned batch. A dead
-    or hung rank raises :class:`~rl_core.errors.RLError` (the run stops; resume from a
-    checkpoint)."""
+class _RankGroup:
+    """A model of one ``role`` living in the SPMD ranks of the Ray policy group: every call runs
+    on every rank; rank 0's result is returned. With several data-parallel replicas
+    (``dp_ranks``) each replica gets its shard of a planned batch. A dead or hung rank raises
+    :class:`~rl_core.errors.RLError` (the run stops; resume from a checkpoint)."""
 
     def __init__(
         self,
@@ -426,7 +472,7 @@ class RayPolicy(Policy):
         *,
         role: str,
         version: int,
-        shape: ModelShape,
+        shape: ModelShape | None,
         timeout_s: float | None,
         colocation: _Colocation,
         dp_ranks: Sequence[int] | None = None,
@@ -491,27 +537,61 @@ class RayPolicy(Policy):
         """Weight version (kept in step with the ranks)."""
         return self._version
 
+    def _sharded(self, method: str, batch: TrainBatch, *args: Any, train: bool) -> list[Any]:
+        """``method(batch_or_shard, role, *args)`` on every rank; rank 0's result, or one per
+        data-parallel replica in shard order. A training call needs a batch planned for the
+        replicas; a forward-only call on an unsharded batch runs it whole on every rank."""
+        import ray
+
+        shards = self._shards(batch) if train or batch.num_shards > 1 else None
+        if shards is None:
+            ref = ray.put(batch)
+            return self._call(method, self.role, *args, per_rank=[ref] * len(self.ranks))[:1]
+        return self._first_of_each_replica(self._call(method, self.role, *args, per_rank=shards))
+
+    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Every rank saves (rank 0 the weights); ``directory`` must be on a shared filesystem."""
+        self._call("save", self.role, str(directory), with_optimizer)
+
+    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Every rank loads what :meth:`save` wrote."""
+        self._version = self._call("load", self.role, str(directory), with_optimizer)[0]
+
+
+class RayCritic(_RankGroup, Critic):
+    """A :class:`~rl_core.interfaces.Critic` in the ranks of the Ray policy group (built next
+    to the policy, ``role`` ``critic``): values and value steps run on every rank, each
+    data-parallel replica on its shard."""
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Values ``[T]``: rank 0's, or each replica's shard concatenated in shard order."""
+        return torch.cat(self._sharded("compute_values", batch, train=False))
+
+    def train_step(self, batch: TrainBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        """One value step on every rank; rank 0's metrics (reduced over replicas by a parallel
+        critic)."""
+        self._colocation.before_train()
+        metrics, version = self._sharded("critic_train_step", batch, loss_fn, train=True)[0]
+        self._version = version
+        return metrics
+
+
+class RayPolicy(_RankGroup, Policy):
+    """A :class:`~rl_core.interfaces.Policy` in the SPMD ranks of the Ray policy group (see
+    :class:`_RankGroup` for how calls reach the ranks)."""
+
     @property
     def model_shape(self) -> ModelShape:
         """Architecture numbers (from rank 0)."""
+        assert self._shape is not None
         return self._shape
 
     def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
         """Log-probs on every rank; rank 0's result, or with data-parallel shards each
         replica's shard, concatenated in shard order."""
-        import ray
-
-        shards = self._shards(batch) if batch.num_shards > 1 else None
-        if shards is None:
-            return self._call(
-                "compute_logprobs",
-                ray.put(batch),
-                with_entropy,
-                per_rank=[self.role] * len(self.ranks),
-            )[0]
-        outs = self._first_of_each_replica(
-            self._call("compute_logprobs_shard", self.role, with_entropy, per_rank=shards)
-        )
+        outs = self._sharded("compute_logprobs", batch, with_entropy, train=False)
+        if len(outs) == 1:
+            return outs[0]
         ent = [o.entropy for o in outs]
         return LogProbOutput(
             logprobs=torch.cat([o.logprobs for o in outs]),
@@ -521,14 +601,8 @@ class RayPolicy(Policy):
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on every rank (each data-parallel replica on its shard); rank 0's
         metrics (a parallel policy reduces them over the replicas)."""
-        import ray
-
         self._colocation.before_train()
-        shards = self._shards(batch)
-        if shards is None:
-            metrics, version = self._call("train_step", ray.put(batch), loss_fn)[0]
-        else:
-            metrics, version = self._call("train_step", loss_fn, per_rank=shards)[0]
+        metrics, version = self._sharded("train_step", batch, loss_fn, train=True)[0]
         self._version = version
         return metrics
 
@@ -540,14 +614,6 @@ class RayPolicy(Policy):
         """Have the ranks keep a CPU copy of the current weights for a later publication."""
         self._call("keep_copy")
         return RemoteWeights(self, self._version, from_copy=True)
-
-    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
-        """Every rank saves (rank 0 the weights); ``directory`` must be on a shared filesystem."""
-        self._call("save", self.role, str(directory), with_optimizer)
-
-    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
-        """Every rank loads what :meth:`save` wrote."""
-        self._version = self._call("load", self.role, str(directory), with_optimizer)[0]
 
 
 class RayGeneratorPool(Generator):
@@ -780,6 +846,10 @@ class RayRuntime:
         self.colocation = _Colocation(self.colocated and not self.async_generation)
         self.ranks: list[Any] = []
         self.pool: RayGeneratorPool | None = None
+        self.driver_generator: Generator | None = None
+        """The generator built in the driver when ``runtime.generator.count`` is 0."""
+        self.receiver: WeightTransport | None = None
+        """The driver-side receiver of the weight transport (driver generator only)."""
         self._policies: dict[str, RayPolicy] = {}
         policy_actor = ray.remote(PolicyRank)
         for i in range(self.n_policy):
@@ -869,10 +939,33 @@ class RayRuntime:
         self._policies[role] = proxy
         return proxy
 
-    def build_generator(self, spec: ComponentSpec) -> RayGeneratorPool:
-        """Start the generator engines; returns the pool."""
-        if self.pool is not None:
-            raise RLError("ray runtime: the generator pool was already built.")
+    def build_critic(self, spec: ComponentSpec) -> RayCritic:
+        """Build the critic on every policy rank (role ``critic``); returns its proxy."""
+        import ray
+
+        try:
+            built = ray.get([r.build.remote("critic", spec, "critic") for r in self.ranks])
+        except ray.exceptions.RayActorError as e:
+            raise RLError(f"critic: a policy rank died while building ({e}).") from e
+        return RayCritic(
+            self.ranks,
+            role="critic",
+            version=built[0][0],
+            shape=None,
+            timeout_s=self.config.policy_timeout_s,
+            colocation=self.colocation,
+            dp_ranks=[dp for _, _, dp in built],
+        )
+
+    def build_generator(self, spec: ComponentSpec) -> Generator:
+        """Start the generator engines and return their pool; with ``runtime.generator.count``
+        0, build the generator in the driver instead (typically a client of servers managed
+        outside Ray, e.g. ``generator: {type: sglang, url: ...}``)."""
+        if self.pool is not None or self.driver_generator is not None:
+            raise RLError("ray runtime: the generator was already built.")
+        if self.n_gen == 0:
+            self.driver_generator = registry.build("generator", spec, field="generator")
+            return self.driver_generator
         self.pool = RayGeneratorPool(self, spec)
         if self.colocation.enabled and not self.pool.supports_release:
             self.colocation.enabled = False  # the backend keeps its memory (e.g. HFGenerator)
@@ -893,6 +986,10 @@ class RayRuntime:
         ray.get([r.build_sender.remote(spec) for r in self.ranks])
         if self.pool is not None:
             await self.pool.set_receiver(spec)
+        if self.driver_generator is not None:
+            if self.receiver is not None:
+                self.receiver.close()
+            self.receiver = registry.build("weight_transport", spec, field="weight_transport")
 
     def publish(self, version: int, weights: Any) -> WeightUpdate:
         """Have policy rank 0 publish ``weights`` (live or a kept copy) as ``version``."""
@@ -935,6 +1032,9 @@ class RayRuntime:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if getattr(self, "receiver", None) is not None:
+            self.receiver.close()
+            self.receiver = None
         if not ray.is_initialized():
             return
         for r in getattr(self, "ranks", []):
