@@ -13,10 +13,41 @@ on a tiny random model does). Optional behaviour is behind flags: set
 ``supports_load_weights = False`` if the policy is not a :class:`~rl_core.interfaces.WeightTarget`,
 ``supports_offload = True`` to test ``offload``/``onload``. ``logprob_atol`` is the tolerance of
 the exactness tests (packing, micro-batches, save/load); raise it for bfloat16 policies.
+
+Distributed policies run the suite in every process of the job (the same tests in the same
+order, so collective calls meet their peers). ``compute_logprobs``, ``named_weights``,
+``save``/``load`` and the metrics ``train_step`` returns are checked on every process as they
+are. Three hooks (methods of the suite, overridden in the test class) say how training is split:
+
+``train_shards(policy)``
+    How many data-parallel shards a training batch is planned into (``TrainBatch.dp_bounds``,
+    sequences split evenly, each shard on its own micro-batch bounds). Default 1: no plan.
+``local_train_batch(policy, batch)``
+    The part of a planned batch this process passes to ``train_step``. Default: the whole batch
+    (a single process, or a policy that shards ``dp_bounds`` itself). A policy whose processes
+    each train on their own shard returns ``batch.shard(its data-parallel rank)``.
+``runs_loss_fn(policy)``
+    Whether ``train_step`` calls the loss function in this process (once per micro-batch of
+    the local batch). Default ``True``; ``False`` where it must not be called at all (pipeline
+    stages before the last).
+
+Whatever the split, ``loss_weights`` are computed over the whole batch and the step's ``loss``
+and loss-function metrics must be the sums over *all* shards and micro-batches (the
+single-process values of the whole batch), on every process: a policy that averages over
+data-parallel ranks, counts a replica twice or trains on the whole batch in every rank fails
+``test_train_step_contract``. A data-parallel example::
+
+    class TestMyPolicyDP2(PolicyConformance):
+        def train_shards(self, policy):
+            return policy.layout.dp_size
+
+        def local_train_batch(self, policy, batch):
+            return batch.shard(policy.layout.dp_rank)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +56,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from rl_core.interfaces import Policy
+from rl_core.interfaces import LossFn, Policy
 from rl_core.testing._base import ConformanceSuite
 from rl_core.types import LossOutput, TrainBatch
 
@@ -123,6 +154,22 @@ class PolicyConformance(ConformanceSuite):
         """A freshly built policy on a tiny model (override in your test class)."""
         raise NotImplementedError("Override the `policy` fixture to return a fresh Policy.")
 
+    # -------------------------------------------------------------- hooks (see module doc)
+
+    def train_shards(self, policy: Policy) -> int:
+        """Data-parallel shards a training batch is planned into (default 1: no plan; at most 2,
+        the sequences of the suite's smallest training batch)."""
+        return 1
+
+    def local_train_batch(self, policy: Policy, batch: TrainBatch) -> TrainBatch:
+        """The part of a planned training batch this process passes to ``train_step`` (default:
+        all of it)."""
+        return batch
+
+    def runs_loss_fn(self, policy: Policy) -> bool:
+        """``train_step`` calls the loss function in this process (default ``True``)."""
+        return True
+
     # -------------------------------------------------------------- helpers
 
     @staticmethod
@@ -133,6 +180,31 @@ class PolicyConformance(ConformanceSuite):
         self, policy: Policy, lengths: Sequence[int], *, seed: int = 0, bounds: tuple[int, ...] = ()
     ) -> TrainBatch:
         return random_batch(self._vocab(policy), lengths, seed=seed, micro_batch_bounds=bounds)
+
+    def _train_batch(
+        self, policy: Policy, lengths: Sequence[int], *, seed: int = 0, bounds: tuple[int, ...] = ()
+    ) -> TrainBatch:
+        """A :meth:`_batch` planned into :meth:`train_shards` data-parallel shards: sequences
+        split evenly, the shard bounds added to the micro-batch bounds, ``loss_weights`` over
+        the whole batch."""
+        batch = self._batch(policy, lengths, seed=seed, bounds=bounds)
+        shards = self.train_shards(policy)
+        if shards == 1:
+            return batch
+        n = batch.num_sequences
+        if not 1 <= shards <= n:
+            raise ValueError(
+                f"{type(self).__name__}.train_shards: {shards}, but this {n}-sequence suite "
+                f"batch can be planned into 1 to {n} non-empty shards; run the suite with at "
+                f"most {n} data-parallel ranks."
+            )
+        dp_bounds = tuple(i * n // shards for i in range(shards + 1))
+        micro = tuple(sorted(set(bounds or (0, n)) | set(dp_bounds)))
+        return dataclasses.replace(batch, micro_batch_bounds=micro, dp_bounds=dp_bounds)
+
+    def _train(self, policy: Policy, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """``train_step`` on this process's part of a :meth:`_train_batch`."""
+        return policy.train_step(self.local_train_batch(policy, batch), loss_fn)
 
     # -------------------------------------------------------------- log-probs
 
@@ -216,14 +288,22 @@ class PolicyConformance(ConformanceSuite):
     def test_train_step_contract(self, policy: Policy) -> None:
         """``train_step`` adds 1 to ``version``; returns finite ``loss`` and ``grad_norm``; the
         loss function sees the same log-probs ``compute_logprobs`` gives; ``loss`` and loss
-        metrics are summed (not averaged) over micro-batches.
+        metrics are summed (not averaged) over micro-batches and data-parallel shards.
+
+        The loss function must run once per micro-batch of this process's batch where
+        :meth:`runs_loss_fn` says so, and not at all elsewhere. ``loss`` and ``tokens`` must be
+        the values of the *whole* batch on every process.
 
         Troubleshooting: a loss 1/k of the expected value means losses were divided by the
-        number of micro-batches (they are already weighted); a log-prob mismatch means the
-        training forward differs from the inference one (temperature, packing, dtype).
+        number of micro-batches or data-parallel ranks (they are already weighted); k times
+        the expected value means a shard was counted k times (every tensor-parallel rank, or
+        every rank trained on the whole batch); a log-prob mismatch means the training forward
+        differs from the inference one (temperature, packing, dtype).
         """
-        batch = self._batch(policy, [5, 8, 3, 6, 4, 7], seed=3, bounds=(0, 2, 3, 6))
+        batch = self._train_batch(policy, [5, 8, 3, 6, 4, 7], seed=3, bounds=(0, 2, 3, 6))
+        local = self.local_train_batch(policy, batch)
         before_T = policy.compute_logprobs(batch).logprobs
+        local_T = before_T if local is batch else policy.compute_logprobs(local).logprobs
         seen: list[torch.Tensor] = []
 
         def loss_fn(logp_T: torch.Tensor, mb: TrainBatch, ent: torch.Tensor | None) -> LossOutput:
@@ -232,15 +312,21 @@ class PolicyConformance(ConformanceSuite):
             return sft_loss(logp_T, mb, ent)
 
         v0 = policy.version
-        metrics = policy.train_step(batch, loss_fn)
+        metrics = policy.train_step(local, loss_fn)
         assert policy.version == v0 + 1
-        assert len(seen) == 3, "one loss_fn call per micro-batch"
-        torch.testing.assert_close(torch.cat(seen), before_T, atol=self.logprob_atol, rtol=0)
+        if self.runs_loss_fn(policy):
+            assert len(seen) == len(local.micro_batches()), "one loss_fn call per micro-batch"
+            torch.testing.assert_close(torch.cat(seen), local_T, atol=self.logprob_atol, rtol=0)
+        else:
+            assert not seen, "loss_fn was called where runs_loss_fn says it must not be"
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
         assert metrics["grad_norm"] > 0
         expected_loss = -float((before_T * batch.loss_weights).sum())
-        assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
-        assert metrics["tokens"] == float(batch.loss_mask.sum())
+        assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6), (
+            f"step loss {metrics['loss']:.6g}, expected {expected_loss:.6g} (the whole batch's)"
+        )
+        tokens = float(batch.loss_mask.sum())
+        assert metrics["tokens"] == tokens, f"tokens {metrics['tokens']}, expected {tokens}"
         after_T = policy.compute_logprobs(batch).logprobs
         assert not torch.equal(after_T, before_T), "weights did not change"
 
@@ -251,14 +337,16 @@ class PolicyConformance(ConformanceSuite):
         the learning rate of the fixture (a tiny random model needs about 1e-2 with AdamW); if it
         rises, the loss sign or the gradient direction is wrong.
         """
-        batch = self._batch(policy, [12, 9, 15], seed=4)
-        losses = [policy.train_step(batch, sft_loss)["loss"] for _ in range(self.sft_steps)]
+        batch = self._train_batch(policy, [12, 9, 15], seed=4)
+        losses = [self._train(policy, batch, sft_loss)["loss"] for _ in range(self.sft_steps)]
         assert all(math.isfinite(x) for x in losses)
         assert losses[-1] < losses[0] - 0.1, f"loss did not decrease: {losses}"
         assert policy.version == self.sft_steps
 
     def test_micro_batch_invariance(self, policy: Policy, tmp_path: Path) -> None:
-        """One step on a batch as 1 micro-batch or as 3 gives the same weights, loss and grad norm.
+        """One step on a batch as 1 micro-batch or as 3 gives the same weights, loss and grad norm
+        (with data-parallel shards: one micro-batch per shard, or the 3 split at the shard
+        bounds).
 
         Both steps start from the same state (the policy is saved before the first and loaded,
         optimizer included, before the second). Loss and gradient norm must agree to 1e-5
@@ -273,15 +361,15 @@ class PolicyConformance(ConformanceSuite):
         once per micro-batch instead of once per ``train_step``.
         """
         lengths = [5, 8, 3, 6, 4, 7]
-        whole = self._batch(policy, lengths, seed=5)
-        split = self._batch(policy, lengths, seed=5, bounds=(0, 1, 4, 6))
+        whole = self._train_batch(policy, lengths, seed=5)
+        split = self._train_batch(policy, lengths, seed=5, bounds=(0, 1, 4, 6))
         w_start = _snapshot(policy)
         policy.save(tmp_path / "start", with_optimizer=True)
-        m_whole = policy.train_step(whole, sft_loss)
+        m_whole = self._train(policy, whole, sft_loss)
         w_whole = _snapshot(policy)
         policy.load(tmp_path / "start", with_optimizer=True)
         assert _max_diff(_snapshot(policy), w_start) == 0.0, "load did not restore the weights"
-        m_split = policy.train_step(split, sft_loss)
+        m_split = self._train(policy, split, sft_loss)
         w_split = _snapshot(policy)
         assert m_split["loss"] == pytest.approx(m_whole["loss"], rel=1e-5, abs=1e-6)
         assert m_split["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5, abs=1e-6)
@@ -313,7 +401,7 @@ class PolicyConformance(ConformanceSuite):
             assert not tensor.requires_grad, name
             assert torch.isfinite(tensor).all(), name
         assert [(n, tuple(t.shape)) for n, t in policy.named_weights()] == first
-        policy.train_step(self._batch(policy, [6, 5], seed=6), sft_loss)
+        self._train(policy, self._train_batch(policy, [6, 5], seed=6), sft_loss)
         assert [(n, tuple(t.shape)) for n, t in policy.named_weights()] == first
 
     def test_save_load_roundtrip(self, policy: Policy, tmp_path: Path) -> None:
@@ -324,12 +412,12 @@ class PolicyConformance(ConformanceSuite):
         log-probs mean some weights (often tied or non-persistent ones) are not saved or not
         restored.
         """
-        batch = self._batch(policy, [8, 5], seed=7)
-        policy.train_step(batch, sft_loss)
+        batch = self._train_batch(policy, [8, 5], seed=7)
+        self._train(policy, batch, sft_loss)
         policy.save(tmp_path / "ckpt", with_optimizer=True)
         saved_T = policy.compute_logprobs(batch).logprobs
         saved_version = policy.version
-        policy.train_step(batch, sft_loss)
+        self._train(policy, batch, sft_loss)
         assert not torch.equal(policy.compute_logprobs(batch).logprobs, saved_T)
         policy.load(tmp_path / "ckpt", with_optimizer=True)
         assert policy.version == saved_version
