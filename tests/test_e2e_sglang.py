@@ -51,3 +51,52 @@ def test_demo_learns_with_sglang_generator(tmp_path, cli):
     early = sum(r["rollout/reward_mean"] for r in rl[:half]) / half
     late = sum(r["rollout/reward_mean"] for r in rl[-half:]) / half
     assert late > early + 0.02, f"training reward {early:.3f} -> {late:.3f}"
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_on_sglang_after_weight_updates(tmp_path, cli):
+    """Async generation with partial rollouts on a real SGLang server: a weight update released
+    while a round generates aborts its requests on the server (partial tokens come back), the
+    server loads the new weights, and the rollouts resume on them; tokens carry the version the
+    server reported for them."""
+    run_dir = tmp_path / "sglang_partial"
+    steps = 12
+    proc = cli(
+        "run",
+        str(recipe_path("sglang_demo")),
+        "--no-report",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        f"rl.steps={steps}",
+        "--set",
+        "rl.async_generation=true",
+        "--set",
+        "rl.partial_rollouts=true",
+        "--set",
+        "algorithm.loss.correction=tis",
+        "--set",
+        "rollout.sampling.max_new_tokens=24",
+        "--set",
+        "eval.every=0",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "logging.progress=false",
+        "--set",
+        "logging.tensorboard=false",
+    )
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-5000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0 and "perf/step_time" in r]
+    assert len(rl) == steps
+    print(
+        "SGLang partial rollouts: interruptions",
+        [r["rollout/partial_interruptions"] for r in rl],
+        "multi-version",
+        [round(r["rollout/multi_version_frac"], 3) for r in rl],
+    )
+    assert sum(r["rollout/partial_interruptions"] for r in rl) >= 2
+    assert any(r["rollout/multi_version_frac"] > 0 for r in rl)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rl)
