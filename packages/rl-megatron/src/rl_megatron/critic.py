@@ -83,7 +83,8 @@ class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):
 
     def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
         """The policy checkpoint plus :data:`HEAD_FILE` (written by the last stage's first
-        rank before the state file; collective)."""
+        rank before the state file; collective). The value head is also part of the Megatron
+        distributed checkpoint written with ``with_optimizer`` (its Adam state included)."""
         out = Path(directory)
         if self._head_writer():
             out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,9 @@ class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):
     def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
         """Restore :meth:`save`'s output, value head included (collective).
 
+        With ``with_optimizer`` the head and its optimizer state come from the Megatron
+        distributed checkpoint (any layout); otherwise from :data:`HEAD_FILE`.
+
         Raises:
             CheckpointError: the directory has no value head (e.g. a policy checkpoint).
         """
@@ -106,11 +110,12 @@ class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):
                 "critic starts from a policy directory through Config.model_path instead)."
             )
         super().load(directory, with_optimizer=with_optimizer)
-        if self.value_head is not None:
-            state = torch.load(head, map_location="cpu", weights_only=True)
-            with torch.no_grad():
-                for name, param in self.value_head.named_parameters():
-                    param.copy_(state[name].to(param.dtype))
-            reload = getattr(self.optimizer, "reload_model_params", None)
-            if callable(reload):
-                reload()
+        if with_optimizer or self.value_head is None:
+            return
+        state = torch.load(head, map_location="cpu", weights_only=True)
+        with torch.no_grad():
+            for name, param in self.value_head.named_parameters():
+                param.copy_(state[name].to(param.dtype))
+        reload = getattr(self.optimizer, "reload_model_params", None)
+        if callable(reload):
+            reload()

@@ -59,8 +59,11 @@ __all__ = ["MegatronPolicy"]
 
 STATE_FILE = "rl_policy_state.pt"
 """File (next to the HF weights) holding version, schedule position and layout; written last."""
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint layout in :data:`STATE_FILE`: 2 = optimizer state in
+megatron-core's ``torch_dist`` format (1 = per-rank files under :data:`OPTIM_DIR`)."""
 OPTIM_DIR = "megatron_optimizer"
-"""Sub-directory with one optimizer-state file per rank (valid for the layout it was saved at)."""
+"""Format 1's sub-directory of per-rank optimizer-state files (no longer written or read)."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -792,38 +795,6 @@ class MegatronPolicy(Policy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _inner_optimizers(self) -> list[Any]:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-
-    def _optimizer_state(self) -> list[dict[str, Any]]:
-        """This rank's optimizer state: each inner torch optimizer's ``state_dict`` (for the
-        distributed optimizer, the state of this rank's shard) and, with bf16 parameters, the
-        fp32 main weights. With fp32 parameters the main weights are the model weights."""
-        parts = []
-        for opt in self._inner_optimizers():
-            entry: dict[str, Any] = {"inner": opt.optimizer.state_dict()}
-            main = _main_param_groups(opt)
-            if main is not None:
-                entry["main_params"] = [[p.detach().cpu().clone() for p in g] for g in main]
-            parts.append(entry)
-        return parts
-
-    def _load_optimizer_state(self, parts: list[dict[str, Any]]) -> None:
-        optimizers = self._inner_optimizers()
-        if len(parts) != len(optimizers):
-            raise CheckpointError(
-                f"optimizer state has {len(parts)} parts, this policy has {len(optimizers)} "
-                "optimizers; it was saved from a different model or settings."
-            )
-        for opt, entry in zip(optimizers, parts):
-            opt.optimizer.load_state_dict(entry["inner"])
-            main = _main_param_groups(opt)
-            if main is not None and "main_params" in entry:
-                with torch.no_grad():
-                    for group, saved in zip(main, entry["main_params"]):
-                        for p, v in zip(group, saved):
-                            p.copy_(v)
-
     def _layout_record(self) -> dict[str, Any]:
         return {
             "tp_size": self.layout.tp_size,
@@ -833,21 +804,29 @@ class MegatronPolicy(Policy):
         }
 
     def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
-        """Write a Hugging Face model directory plus optimizer state (collective).
+        """Write a Hugging Face model directory plus, optionally, a Megatron distributed
+        checkpoint of the weights and optimizer state (collective).
 
         Global rank 0 writes ``config.json``, ``model.safetensors`` (full tensors, HF names,
         loadable by ``AutoModelForCausalLM`` and by this policy at any layout) and the tokenizer.
-        With ``with_optimizer`` every rank writes its optimizer state under :data:`OPTIM_DIR`
-        (tied to this parallel layout). Rank 0 writes :data:`STATE_FILE` (version, schedule
-        position, layout) last, after a barrier.
+        With ``with_optimizer`` all ranks write the model and optimizer state in megatron-core's
+        ``torch_dist`` format under :data:`~rl_megatron.checkpoint.DIST_DIR` (loadable at another
+        TP/PP/DP layout, see :mod:`rl_megatron.checkpoint`). Rank 0 removes an older
+        :data:`STATE_FILE` first and writes the new one (version, schedule position, layout)
+        last, after a barrier, so a directory with a state file is a complete checkpoint.
         """
         from safetensors.torch import save_file
+
+        from rl_megatron.checkpoint import DIST_DIR, DISTOPT_SHARDING, save_distributed
 
         out = Path(directory)
         rank = self.layout.rank
         weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
+            (out / STATE_FILE).unlink(missing_ok=True)
+            shutil.rmtree(out / DIST_DIR, ignore_errors=True)
+            shutil.rmtree(out / OPTIM_DIR, ignore_errors=True)  # format 1 (per-rank files)
             save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
             self.hf_config.save_pretrained(str(out))
             src_gen = Path(self.config.model_path) / "generation_config.json"
@@ -856,16 +835,23 @@ class MegatronPolicy(Policy):
             self.tokenizer.save_pretrained(str(out))
         torch.distributed.barrier()
         if with_optimizer:
-            optim_dir = out / OPTIM_DIR
-            optim_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(self._optimizer_state(), optim_dir / f"rank{rank:05d}.pt")
+            save_distributed(
+                self.module,
+                self.optimizer,
+                out / DIST_DIR,
+                distributed_optimizer=self.config.use_distributed_optimizer,
+            )
         torch.distributed.barrier()
         if rank == 0:
             state = {
-                "format": 1,
+                "format": CHECKPOINT_FORMAT,
                 "version": self._version,
                 "applied_steps": self._applied_steps,
                 "with_optimizer": with_optimizer,
+                "optimizer_format": "torch_dist" if with_optimizer else None,
+                "distrib_optim_sharding_type": (
+                    DISTOPT_SHARDING if self.config.use_distributed_optimizer else None
+                ),
                 "layout": self._layout_record(),
             }
             tmp = out / (STATE_FILE + ".tmp")
@@ -874,14 +860,20 @@ class MegatronPolicy(Policy):
         torch.distributed.barrier()
 
     def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
-        """Restore weights, version and (if ``with_optimizer``) optimizer state (collective).
+        """Restore weights, version, schedule position and (if ``with_optimizer``) optimizer
+        state (collective).
 
-        Weights load at any layout; optimizer state only at the layout it was saved with.
+        ``with_optimizer=False`` reads the Hugging Face weights, at any layout.
+        ``with_optimizer=True`` reads the weights and optimizer state from the Megatron
+        distributed checkpoint, at any TP/PP/DP layout of the same model and the same
+        ``use_distributed_optimizer`` setting; training then continues as if uninterrupted.
 
         Raises:
             CheckpointError: files are missing, a weight is missing or has the wrong shape, the
-                optimizer state was asked for but not saved, or the layout differs.
+                optimizer state was asked for but not saved (or saved by an older version), or
+                it was saved with the other ``use_distributed_optimizer`` setting.
         """
+        from rl_megatron.checkpoint import DIST_DIR, load_distributed
 
         src = Path(directory)
         state_path = src / STATE_FILE
@@ -892,24 +884,38 @@ class MegatronPolicy(Policy):
             )
         state = torch.load(state_path, map_location="cpu", weights_only=True)
         if with_optimizer:
-            if not state.get("with_optimizer"):
-                raise CheckpointError(
-                    f"{state_path}: saved without optimizer state; load with with_optimizer=False."
-                )
-            if state["layout"] != self._layout_record():
-                raise CheckpointError(
-                    f"{state_path}: optimizer state was saved with layout {state['layout']}, this "
-                    f"policy runs {self._layout_record()}; load with with_optimizer=False (weights "
-                    "load at any layout) or use the saved layout."
-                )
-        self._load_hf_dir(src, error=CheckpointError)
-        if with_optimizer:
-            path = src / OPTIM_DIR / f"rank{self.layout.rank:05d}.pt"
-            if not path.is_file():
-                raise CheckpointError(f"{path}: missing; the checkpoint is incomplete.")
-            self._load_optimizer_state(torch.load(path, map_location="cpu", weights_only=True))
+            self._check_optimizer_checkpoint(state_path, state)
+            load_distributed(
+                self.module,
+                self.optimizer,
+                src / DIST_DIR,
+                distributed_optimizer=self.config.use_distributed_optimizer,
+            )
+        else:
+            self._load_hf_dir(src, error=CheckpointError)
         self._version = int(state["version"])
         self._applied_steps = int(state["applied_steps"])
+
+    def _check_optimizer_checkpoint(self, state_path: Path, state: dict[str, Any]) -> None:
+        """Refuse, before reading any tensor, optimizer state this policy cannot restore."""
+        if not state.get("with_optimizer"):
+            raise CheckpointError(
+                f"{state_path}: saved without optimizer state; load with with_optimizer=False."
+            )
+        if state.get("optimizer_format") != "torch_dist":
+            raise CheckpointError(
+                f"{state_path}: the optimizer state is in checkpoint format "
+                f"{state.get('format')} (per-rank files), which this version no longer reads; "
+                "load with with_optimizer=False (the weights and version load, Adam restarts)."
+            )
+        saved = bool(state["layout"]["use_distributed_optimizer"])
+        if saved != self.config.use_distributed_optimizer:
+            raise CheckpointError(
+                f"{state_path}: optimizer state was saved with use_distributed_optimizer={saved}, "
+                f"this policy runs use_distributed_optimizer={self.config.use_distributed_optimizer}"
+                f"; set policy.use_distributed_optimizer={saved} to resume (TP, PP and DP sizes "
+                "may differ), or load with with_optimizer=False."
+            )
 
 
 def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -923,15 +929,6 @@ def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
         if isinstance(getattr(batch, f.name), torch.Tensor)
     }
     return dataclasses.replace(batch, **moved)
-
-
-def _main_param_groups(opt: Any) -> list[list[torch.Tensor]] | None:
-    """The fp32 main-weight groups of a mixed-precision Megatron optimizer (``None`` in fp32)."""
-    for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
-        groups = getattr(opt, attr, None)
-        if groups and any(len(g) for g in groups):
-            return groups
-    return None
 
 
 def _sum_step_values(values: dict[str, float], *, count: bool) -> dict[str, float]:

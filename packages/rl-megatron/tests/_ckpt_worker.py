@@ -1,0 +1,141 @@
+"""One rank of the two-process CPU job that ``test_checkpoint.py`` launches (not a test file).
+
+Run as ``python _ckpt_worker.py OUT_DIR MODELS_JSON`` with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` set; ``OUT_DIR/w1_plain`` must hold a checkpoint saved by a
+world of one. Scenarios (each "step" is one SFT step on the batch of ``_dist_worker``):
+
+* TP=2 (plain Adam) and DP=2 (distributed optimizer): two steps, save, a third step; a freshly
+  built policy loads the checkpoint and takes the third step again.
+* Resharding: the resumed TP=2 policy loads the world-of-one checkpoint and steps; a PP=2
+  policy loads the TP=2 checkpoint, steps, saves, steps; a TP=2 policy loads that PP=2
+  checkpoint and steps; a PP=2 policy with the distributed optimizer loads the DP=2 checkpoint and steps.
+* Refusal: the TP=2 plain-Adam policy asked to load the distributed-optimizer checkpoint.
+* The critic at TP=2: two value steps, save, a third; a fresh critic loads and steps again.
+
+Rank 0 writes the results to ``OUT_DIR/results.pt``; the tests compare them with each other and
+with world-of-one runs in the test process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _dist_worker import critic_targets, dp_shard, global_batch, snapshot, value_loss
+
+from rl_core.errors import CheckpointError
+from rl_core.testing.policy import sft_loss
+from rl_megatron.critic import MegatronCritic
+from rl_megatron.policy import MegatronPolicy
+
+LR = 1e-3
+
+
+def main() -> None:
+    out_dir, models = Path(sys.argv[1]), json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    res: dict[str, Any] = {}
+    t_start = time.perf_counter()
+
+    def build(**kw: Any) -> MegatronPolicy:
+        return MegatronPolicy(MegatronPolicy.Config(model_path=models["qwen2"], lr=LR, **kw))
+
+    def step(policy: MegatronPolicy, key: str) -> None:
+        batch = global_batch(policy.model_shape.vocab_size)
+        if policy.layout.dp_size > 1:
+            batch = dp_shard(batch, policy.layout.dp_rank)
+        res[f"{key}/metrics"] = policy.train_step(batch, sft_loss)
+        res[f"{key}/weights"] = snapshot(policy)
+        res[f"{key}/version"] = policy.version
+
+    # ------------------------------------ same layout: TP=2 plain Adam, DP=2 distributed Adam
+    # (A policy is only usable until a policy of another layout is built in the process: that
+    # rebuilds Megatron's parallel state, so each layout below gets a freshly built policy.)
+    for key, kw in (("dp2d", {"use_distributed_optimizer": True}), ("tp2", {"tp_size": 2})):
+        policy = build(**kw)
+        step(policy, f"{key}/step1")
+        step(policy, f"{key}/step2")
+        t0 = time.perf_counter()
+        policy.save(out_dir / f"ck_{key}", with_optimizer=True)
+        res[f"{key}/save_s"] = time.perf_counter() - t0
+        step(policy, f"{key}/step3")
+        del policy
+        gc.collect()
+        policy = build(**kw)
+        t0 = time.perf_counter()
+        policy.load(out_dir / f"ck_{key}", with_optimizer=True)
+        res[f"{key}/load_s"] = time.perf_counter() - t0
+        res[f"{key}/loaded_version"] = policy.version
+        step(policy, f"{key}/resumed")
+        if key == "tp2":
+            tp2 = policy
+        else:
+            del policy
+            gc.collect()
+
+    # ------------------------------------------------- resharding, with the loaded TP=2 policy
+    tp2.load(out_dir / "w1_plain", with_optimizer=True)  # a world-of-one checkpoint
+    step(tp2, "w1_to_tp2")
+    try:
+        tp2.load(out_dir / "ck_dp2d", with_optimizer=True)
+        res["refused_distopt"] = ""
+    except CheckpointError as exc:
+        res["refused_distopt"] = str(exc)
+    del tp2
+    gc.collect()
+
+    pp2 = build(pp_size=2)
+    pp2.load(out_dir / "ck_tp2", with_optimizer=True)
+    step(pp2, "tp2_to_pp2")
+    pp2.save(out_dir / "ck_pp2", with_optimizer=True)
+    step(pp2, "pp2/step4")
+    del pp2
+    gc.collect()
+    tp2 = build(tp_size=2)
+    tp2.load(out_dir / "ck_pp2", with_optimizer=True)
+    step(tp2, "pp2_to_tp2")
+    del tp2
+    gc.collect()
+
+    pp2d = build(pp_size=2, use_distributed_optimizer=True)
+    pp2d.load(out_dir / "ck_dp2d", with_optimizer=True)
+    step(pp2d, "dp2d_to_pp2d")
+    del pp2d
+    gc.collect()
+
+    # ------------------------------------------------------------- the critic at TP=2
+    def critic_step(critic: MegatronCritic, key: str) -> None:
+        batch = global_batch(critic.model_shape.vocab_size)
+        res[f"{key}/metrics"] = critic.train_step(critic_targets(batch, critic), value_loss())
+        res[f"{key}/values"] = critic.compute_values(batch)
+
+    def build_critic() -> MegatronCritic:
+        return MegatronCritic(MegatronCritic.Config(model_path=models["qwen2"], lr=1e-2, tp_size=2))
+
+    critic = build_critic()
+    critic_step(critic, "critic/step1")
+    critic_step(critic, "critic/step2")
+    critic.save(out_dir / "ck_critic", with_optimizer=True)
+    critic_step(critic, "critic/step3")
+    del critic
+    gc.collect()
+    critic = build_critic()
+    critic.load(out_dir / "ck_critic", with_optimizer=True)
+    critic_step(critic, "critic/resumed")
+    del critic
+    gc.collect()
+
+    res["job_s"] = time.perf_counter() - t_start
+    if torch.distributed.get_rank() == 0:
+        torch.save(res, out_dir / "results.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
