@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,26 @@ def _cli(*args: str, **kwargs) -> subprocess.Popen:
 def cli():
     """Start ``rl-train`` (in a subprocess, one torch thread): ``cli("run", recipe)`` -> Popen."""
     return _cli
+
+
+def _kill_after_checkpoint(recipe: Path, run_dir: Path, step: int, *overrides: str) -> Path:
+    proc = _cli("run", str(recipe), "--no-report", *overrides)
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    deadline = time.time() + 600
+    while not (ckpt / "COMPLETE").exists():
+        assert proc.poll() is None, "run ended before it could be killed: " + proc.stdout.read()
+        assert time.time() < deadline, f"no checkpoint {ckpt} after 600 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "final_model").exists()
+    return ckpt
+
+
+@pytest.fixture
+def kill_after_checkpoint():
+    """``kill_after_checkpoint(recipe, run_dir, step, *overrides)``: start ``rl-train run`` and
+    SIGKILL it as soon as the checkpoint of global step ``step`` (SFT and RL steps count alike)
+    is complete; returns that checkpoint directory."""
+    return _kill_after_checkpoint

@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import json
-import signal
-import time
 
 import pytest
 import torch
@@ -91,22 +89,13 @@ def test_mask_older_than_zero_masks_stale_tokens(tiny_recipe, cli):
     assert [r["train/grad_norm"] for r in rl[1:]] == [0.0, 0.0]
 
 
-def test_async_kill_and_resume_matches_uninterrupted(tiny_recipe, cli):
+def test_async_kill_and_resume_matches_uninterrupted(tiny_recipe, cli, kill_after_checkpoint):
     recipe_a, run_a = tiny_recipe("straight", rl_steps=8)
     recipe_b, run_b = tiny_recipe("killed", rl_steps=8)
     _run(cli, recipe_a, *ASYNC)
     # Kill once an RL-phase checkpoint exists (global step 6 = 3 SFT + 3 RL steps): the round
     # of step 4 was already produced and sits in the checkpointed buffer.
-    proc = cli("run", str(recipe_b), "--no-report", *ASYNC)
-    marker = run_b / "checkpoints" / "step_000006" / "COMPLETE"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert proc.poll() is None, "run ended before it could be killed: " + proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (run_b / "final_model").exists()
+    marker = kill_after_checkpoint(recipe_b, run_b, 6, *ASYNC) / "COMPLETE"
     state = torch.load(marker.parent / "trainer_state.pt", weights_only=False)
     assert list(state["pipeline"]["ready"]) == [4] and len(state["buffer"]["groups"]) == 4
     _run(cli, recipe_b, "--resume", *ASYNC)

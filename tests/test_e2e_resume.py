@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import time
 
 import torch
 from safetensors.torch import load_file
@@ -20,7 +18,7 @@ def _weights(run_dir):
     return load_file(str(run_dir / "final_model" / "model.safetensors"))
 
 
-def test_kill_and_resume_matches_uninterrupted(tiny_recipe, cli):
+def test_kill_and_resume_matches_uninterrupted(tiny_recipe, cli, kill_after_checkpoint):
     recipe_a, run_a = tiny_recipe("straight", rl_steps=8)
     recipe_b, run_b = tiny_recipe("killed", rl_steps=8)
 
@@ -28,18 +26,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_recipe, cli):
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
 
-    # Kill the second run with SIGKILL once an RL-phase checkpoint exists (global step 6 = 3 SFT + 3 RL).
-    proc = cli("run", str(recipe_b), "--no-report")
-    marker = run_b / "checkpoints" / "step_000006" / "COMPLETE"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert proc.poll() is None, "run ended before it could be killed: " + proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert not (run_b / "final_model").exists()
+    # Kill the second run once an RL-phase checkpoint exists (global step 6 = 3 SFT + 3 RL).
+    kill_after_checkpoint(recipe_b, run_b, 6)
 
     proc = cli("run", str(recipe_b), "--resume", "--no-report")
     out, _ = proc.communicate(timeout=600)
