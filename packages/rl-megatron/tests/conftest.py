@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -89,3 +93,66 @@ def _isolate_process_state():
         torch.distributed.destroy_process_group()
     if "rl_megatron._cpu_support" in sys.modules:
         sys.modules["rl_megatron._cpu_support"].disable_cpu_support()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch_ranks(
+    cmd: Sequence[str] | Callable[[int], Sequence[str]],
+    world_size: int,
+    *,
+    timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> list[tuple[int, str]]:
+    """Run ``cmd`` (or ``cmd(rank)``) as ``world_size`` torchrun-style ranks (gloo on 127.0.0.1,
+    a free port, one torch thread each) and wait for all; returns each rank's (return code,
+    output). On a timeout every rank is killed; with ``check`` a failed rank fails the test with
+    every rank's log."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                list(cmd(rank) if callable(cmd) else cmd),
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for p in procs:
+            results.append((p.communicate(timeout=timeout)[0], p))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = [(p.returncode, log) for log, p in results]
+    if check and any(code for code, _ in out):
+        pytest.fail("a rank failed:\n" + "\n----\n".join(log[-4000:] for _, log in out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def launch_ranks() -> Callable[..., list[tuple[int, str]]]:
+    """``launch_ranks(cmd, world_size, timeout=600, env=None, check=True)``: run ``cmd`` as a
+    torchrun-style job of ``world_size`` CPU ranks; each rank's (return code, output)."""
+    return _launch_ranks

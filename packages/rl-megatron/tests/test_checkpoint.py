@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,51 +50,16 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run_job(out: Path, model_dirs: dict[str, Path]) -> dict[str, Any]:
+def _run_job(out: Path, model_dirs: dict[str, Path], launch_ranks: Any) -> dict[str, Any]:
     models = json.dumps({k: str(v) for k, v in model_dirs.items()})
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), models],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    if any(p.returncode for p in procs):
-        pytest.fail("worker failed:\n" + "\n----\n".join(log[-4000:] for log in logs))
+    launch_ranks([sys.executable, str(WORKER), str(out), models], 2)
     return torch.load(out / "results.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def job(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def job(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, launch_ranks: Any
+) -> dict[str, Any]:
     """World of one: two steps, save ``w1_plain``, a third step (``w1/step3``); then the
     two-rank job; its results plus ``_out``, the directory holding every checkpoint."""
     out = tmp_path_factory.mktemp("ckpt")
@@ -107,7 +69,7 @@ def job(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     policy.save(out / "w1_plain", with_optimizer=True)
     w1_step3 = _step(policy)
     del policy
-    res = _run_job(out, model_dirs)
+    res = _run_job(out, model_dirs, launch_ranks)
     res["w1/step3/metrics"], res["w1/step3/weights"] = w1_step3
     res["_out"] = out
     return res

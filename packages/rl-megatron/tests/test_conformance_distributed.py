@@ -3,12 +3,10 @@ two processes (gloo on 127.0.0.1, one thread each); this test checks both ranks 
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 RANKS_FILE = Path(__file__).with_name("_conformance_ranks.py")
 MIN_PASSED = 3 * 12
@@ -17,29 +15,11 @@ MAX_SKIPPED = 3
 """``test_offload_onload`` once per layout (``supports_offload`` is False)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def test_conformance_suite_at_tp2_pp2_and_dp2(tmp_path: Path) -> None:
+def test_conformance_suite_at_tp2_pp2_and_dp2(tmp_path: Path, launch_ranks: Any) -> None:
     """Every standard test passes on both ranks at TP=2, PP=2 and DP=2: no failure, xfail or
     skip beyond the suite's own optional-capability skips (offload, one per layout)."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "RL_MEGATRON_SHARED_TMP": str(tmp_path / "shared"),
-        }
-        cmd = [
+    outs = launch_ranks(
+        lambda rank: [
             sys.executable,
             "-m",
             "pytest",
@@ -50,23 +30,15 @@ def test_conformance_suite_at_tp2_pp2_and_dp2(tmp_path: Path) -> None:
             "-p",
             "no:warnings",
             f"--basetemp={tmp_path / f'rank{rank}'}",
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
+        ],
+        2,
+        timeout=240,
+        env={"RL_MEGATRON_SHARED_TMP": str(tmp_path / "shared"), "PYTHONWARNINGS": ""},
+        check=False,
+    )
+    for rank, (code, out) in enumerate(outs):
         summary = out.strip().splitlines()[-1] if out.strip() else ""
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
+        assert code == 0, f"rank {rank} failed:\n{out[-6000:]}"
         counts = {k: int(n) for n, k in re.findall(r"(\d+) ([a-z]+)", summary)}
         assert set(counts) <= {"passed", "skipped"}, f"rank {rank}: {summary}"
         assert counts.get("passed", 0) >= MIN_PASSED, f"rank {rank}: {summary}"

@@ -8,9 +8,6 @@ with :class:`~rl_core.reference.HFPolicy` run in this process on the same weight
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,49 +24,14 @@ LENGTHS = [5, 8, 3, 6, 4, 7]
 LR = 1e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def job(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def job(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, launch_ranks: Any
+) -> dict[str, Any]:
     """Run the two-rank job once; its results keyed by scenario, plus the output directory."""
     out = tmp_path_factory.mktemp("dist")
     models = json.dumps({k: str(v) for k, v in model_dirs.items()})
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), models],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    if any(p.returncode for p in procs):
-        pytest.fail("worker failed:\n" + "\n----\n".join(log[-4000:] for log in logs))
+    launch_ranks([sys.executable, str(WORKER), str(out), models], 2)
     res = torch.load(out / "results.pt", weights_only=False)
     res["_out"] = out
     return res
