@@ -13,29 +13,29 @@ from rl_trainer.cli import recipe_path
 RL_STEPS = 40
 
 
-@pytest.mark.slow
-def test_demo_learns_with_sglang_generator(tmp_path, cli):
-    run_dir = tmp_path / "sglang_demo"
-    proc = cli(
-        "run",
-        str(recipe_path("sglang_demo")),
-        "--no-report",
-        "--set",
-        f"run_dir={run_dir}",
-        "--set",
-        f"rl.steps={RL_STEPS}",
-        "--set",
-        f"eval.every={RL_STEPS // 2}",
-        "--set",
-        f"checkpoint.every={RL_STEPS}",
-        "--set",
-        "logging.progress=false",
-        "--set",
-        "logging.tensorboard=false",
-    )
+def _run_sglang_demo(cli, run_dir, **settings) -> list[dict]:
+    """Run the ``sglang_demo`` recipe with ``settings`` (dotted keys) and no progress bar or
+    TensorBoard; returns its metric records."""
+    sets = {"run_dir": run_dir, "logging.progress": "false", "logging.tensorboard": "false"}
+    sets.update(settings)
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    proc = cli("run", str(recipe_path("sglang_demo")), "--no-report", *args)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_demo_learns_with_sglang_generator(tmp_path, cli):
+    records = _run_sglang_demo(
+        cli,
+        tmp_path / "sglang_demo",
+        **{
+            "rl.steps": RL_STEPS,
+            "eval.every": RL_STEPS // 2,
+            "checkpoint.every": RL_STEPS,
+        },
+    )
     evals = [r for r in records if r.get("eval/reward_mean") is not None]
     assert evals[0]["phase"] == "rl" and evals[0]["step"] == 0
     first, last = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
@@ -59,36 +59,20 @@ def test_partial_rollouts_resume_on_sglang_after_weight_updates(tmp_path, cli):
     while a round generates aborts its requests on the server (partial tokens come back), the
     server loads the new weights, and the rollouts resume on them; tokens carry the version the
     server reported for them."""
-    run_dir = tmp_path / "sglang_partial"
     steps = 12
-    proc = cli(
-        "run",
-        str(recipe_path("sglang_demo")),
-        "--no-report",
-        "--set",
-        f"run_dir={run_dir}",
-        "--set",
-        f"rl.steps={steps}",
-        "--set",
-        "rl.async_generation=true",
-        "--set",
-        "rl.partial_rollouts=true",
-        "--set",
-        "algorithm.loss.correction=tis",
-        "--set",
-        "rollout.sampling.max_new_tokens=24",
-        "--set",
-        "eval.every=0",
-        "--set",
-        "checkpoint.every=0",
-        "--set",
-        "logging.progress=false",
-        "--set",
-        "logging.tensorboard=false",
+    records = _run_sglang_demo(
+        cli,
+        tmp_path / "sglang_partial",
+        **{
+            "rl.steps": steps,
+            "rl.async_generation": "true",
+            "rl.partial_rollouts": "true",
+            "algorithm.loss.correction": "tis",
+            "rollout.sampling.max_new_tokens": 24,
+            "eval.every": 0,
+            "checkpoint.every": 0,
+        },
     )
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-5000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0 and "perf/step_time" in r]
     assert len(rl) == steps
     print(

@@ -95,23 +95,28 @@ def _prompts(n: int) -> list[Prompt]:
     return [Prompt(uid=f"p{i}", input="x", token_ids=(7, 8, 9)) for i in range(n)]
 
 
-def test_interrupted_rollouts_resume_on_the_new_version_with_their_prefix():
-    gen = _StepGenerator()
-    buf = GroupBuffer()
-    updates = _Updates(gen, after=3 * 4)  # 4 requests x 3 tokens, then version 1 is released
-    stats = PartialStats()
+def _generate(gen, updates, *, prompts: int, n: int, max_new: int):
+    """Run resumable generation; returns (groups, buffer, stats)."""
+    buf, stats = GroupBuffer(), PartialStats()
     groups = asyncio.run(
         generate_groups_resumable(
-            _prompts(2),
+            _prompts(prompts),
             generator=gen,
             buffer=buf,
-            sampling=SamplingParams(max_new_tokens=8),
-            n_samples=2,
+            sampling=SamplingParams(max_new_tokens=max_new),
+            n_samples=n,
             seed_parts=(0, "rl", 1, 0),
             updates=updates,
             stats=stats,
         )
     )
+    return groups, buf, stats
+
+
+def test_interrupted_rollouts_resume_on_the_new_version_with_their_prefix():
+    gen = _StepGenerator()
+    updates = _Updates(gen, after=3 * 4)  # 4 requests x 3 tokens, then version 1 is released
+    groups, buf, stats = _generate(gen, updates, prompts=2, n=2, max_new=8)
     assert updates.caught_up == 1 and stats.interruptions == 1
     rollouts = [r for g in groups for r in g.rollouts]
     assert [g.prompt.uid for g in groups] == ["p0", "p1"]
@@ -140,21 +145,8 @@ def test_interrupted_rollouts_resume_on_the_new_version_with_their_prefix():
 
 def test_without_an_update_nothing_is_aborted():
     gen = _StepGenerator()
-    buf = GroupBuffer()
     updates = _Updates(gen, after=10**9)
-    stats = PartialStats()
-    groups = asyncio.run(
-        generate_groups_resumable(
-            _prompts(1),
-            generator=gen,
-            buffer=buf,
-            sampling=SamplingParams(max_new_tokens=4),
-            n_samples=3,
-            seed_parts=(0,),
-            updates=updates,
-            stats=stats,
-        )
-    )
+    groups, buf, stats = _generate(gen, updates, prompts=1, n=3, max_new=4)
     assert stats == PartialStats() and updates.caught_up == 0 and len(gen.seen) == 3
     assert all(r.versions == (0,) * 4 for g in groups for r in g.rollouts)
     assert buf.counters["partial_put"] == 0
