@@ -30,6 +30,7 @@ from rl_core.errors import ConfigError
 
 __all__ = [
     "ComponentSpec",
+    "OptimizerConfig",
     "apply_overrides",
     "from_dict",
     "load_config_file",
@@ -38,6 +39,39 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """Adam settings shared by the trainable backends' configs (``HFPolicy.Config``,
+    ``MegatronPolicy.Config`` and their critics subclass it)."""
+
+    lr: float = 1e-5
+    """Peak learning rate of Adam with decoupled weight decay (AdamW)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (Megatron exempts biases and norm weights)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 turns clipping off (the norm is still reported)."""
+    warmup_steps: int = 0
+    """Linear warmup: optimizer step ``s`` (0-based) uses ``lr * min(1, (s + 1) /
+    warmup_steps)``; constant afterwards."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ConfigError(f"policy.lr: must be >= 0, got {self.lr}.")
+        if self.grad_clip < 0:
+            raise ConfigError(f"policy.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}.")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"policy.warmup_steps: must be >= 0, got {self.warmup_steps}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"policy.{name}: must be in [0, 1), got {getattr(self, name)}.")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

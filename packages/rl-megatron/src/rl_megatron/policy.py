@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from rl_core.config import OptimizerConfig
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
@@ -71,26 +72,12 @@ class MegatronPolicy(Policy):
     """A trainable Llama / Qwen2 / Qwen3 causal LM on megatron-core (see the module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config:
-        """Settings of :class:`MegatronPolicy`."""
+    class Config(OptimizerConfig):
+        """Settings of :class:`MegatronPolicy` (Adam settings from
+        :class:`~rl_core.config.OptimizerConfig`, the same as ``HFPolicy``'s)."""
 
         model_path: str
         """Hugging Face model directory (``config.json``, safetensors weights, tokenizer)."""
-        lr: float = 1e-5
-        """Peak learning rate of Adam (decoupled weight decay)."""
-        weight_decay: float = 0.0
-        """Decoupled weight decay; Megatron exempts biases and norm weights from it."""
-        adam_beta1: float = 0.9
-        """Adam beta1."""
-        adam_beta2: float = 0.999
-        """Adam beta2."""
-        adam_eps: float = 1e-8
-        """Adam epsilon."""
-        grad_clip: float = 1.0
-        """Max global gradient norm; 0 turns clipping off (the norm is still reported)."""
-        warmup_steps: int = 0
-        """Linear warmup: applied update ``s`` (0-based) uses ``lr * min(1, (s + 1) /
-        warmup_steps)``; constant afterwards (as ``HFPolicy``)."""
         temperature: float = 1.0
         """Logits are divided by it before log-softmax; set it to the sampling temperature."""
         tp_size: int = 1
@@ -116,14 +103,7 @@ class MegatronPolicy(Policy):
         """Seed of Megatron's model-parallel RNG tracker."""
 
         def __post_init__(self) -> None:
-            if self.lr < 0:
-                raise ConfigError(f"policy.lr: must be >= 0, got {self.lr}.")
-            if self.grad_clip < 0:
-                raise ConfigError(
-                    f"policy.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}."
-                )
-            if self.warmup_steps < 0:
-                raise ConfigError(f"policy.warmup_steps: must be >= 0, got {self.warmup_steps}.")
+            OptimizerConfig.__post_init__(self)
             if not self.temperature > 0:
                 raise ConfigError(
                     f"policy.temperature: must be > 0, got {self.temperature}; use the sampling "

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from rl_core.config import OptimizerConfig
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
@@ -97,26 +98,12 @@ class HFPolicy(Policy):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config:
-        """Settings of :class:`HFPolicy`."""
+    class Config(OptimizerConfig):
+        """Settings of :class:`HFPolicy` (AdamW settings from
+        :class:`~rl_core.config.OptimizerConfig`)."""
 
         model_path: str
         """Hugging Face model directory (``config.json``, weights, tokenizer files)."""
-        lr: float = 1e-5
-        """Peak AdamW learning rate."""
-        weight_decay: float = 0.0
-        """AdamW decoupled weight decay."""
-        adam_beta1: float = 0.9
-        """AdamW beta1."""
-        adam_beta2: float = 0.999
-        """AdamW beta2."""
-        adam_eps: float = 1e-8
-        """AdamW epsilon."""
-        grad_clip: float = 1.0
-        """Max global gradient norm; 0 turns clipping off (the norm is still reported)."""
-        warmup_steps: int = 0
-        """Linear warmup: step ``s`` (0-based) uses ``lr * min(1, (s + 1) / warmup_steps)``;
-        constant afterwards."""
         temperature: float = 1.0
         """Logits are divided by it before log-softmax, in ``compute_logprobs`` and
         ``train_step``; set it to the rollout sampling temperature."""
@@ -133,14 +120,7 @@ class HFPolicy(Policy):
         off nothing random runs today, but stochastic layers stay reproducible."""
 
         def __post_init__(self) -> None:
-            if self.lr < 0:
-                raise ConfigError(f"policy.lr: must be >= 0, got {self.lr}.")
-            if self.grad_clip < 0:
-                raise ConfigError(
-                    f"policy.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}."
-                )
-            if self.warmup_steps < 0:
-                raise ConfigError(f"policy.warmup_steps: must be >= 0, got {self.warmup_steps}.")
+            OptimizerConfig.__post_init__(self)
             if not self.temperature > 0:
                 raise ConfigError(
                     f"policy.temperature: must be > 0, got {self.temperature}; log-probs of "
