@@ -7,31 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from rl_core.rewards.group import MajorityVote
-from rl_core.types import Group, Prompt, Rollout, RolloutStatus
+from rl_core.types import RolloutStatus
 from rl_trainer.rollout import RolloutStats, Scorer, filter_groups
-
-
-class _Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def _group(uid: str, responses: list[str], label: str = "19") -> Group:
-    p = Prompt(uid=uid, input="x", token_ids=(1,), label=label)
-    rs = [
-        Rollout(
-            prompt_uid=uid,
-            rollout_id=f"{uid}/{j}",
-            sample_id=f"{uid}/{j}",
-            tokens=(1, *map(ord, t)),
-            response_start=1,
-            loss_mask=(1,) * len(t),
-            rollout_logprobs=(0.0,) * len(t),
-            versions=(0,) * len(t),
-        )
-        for j, t in enumerate(responses)
-    ]
-    return Group(prompt=p, rollouts=rs)
 
 
 def exact(prompt, response, rollout):
@@ -40,11 +17,13 @@ def exact(prompt, response, rollout):
     return float(response == prompt.label)
 
 
-def test_majority_vote_is_trained_on_and_label_reward_kept_as_metric():
-    g1 = _group("a", ["19", "19", "18", "boom"])  # majority 19 (the failed rollout cannot vote)
-    g2 = _group("b", ["7", "8"], label="7")  # tie: no consensus, all 0
+def test_majority_vote_is_trained_on_and_label_reward_kept_as_metric(text_group, char_tokenizer):
+    g1 = text_group(
+        "a", ["19", "19", "18", "boom"], label="19"
+    )  # majority 19 (the failed rollout cannot vote)
+    g2 = text_group("b", ["7", "8"], label="7")  # tie: no consensus, all 0
     stats = RolloutStats()
-    scorer = Scorer(exact, _Tok(), group_reward_fn=MajorityVote())
+    scorer = Scorer(exact, char_tokenizer, group_reward_fn=MajorityVote())
     asyncio.run(scorer.score([g1, g2], stats))
     assert [r.reward for r in g1.rollouts[:3]] == [1.0, 1.0, 0.0]
     assert g1.rollouts[3].status == RolloutStatus.FAILED and g1.rollouts[3].reward is None
@@ -58,13 +37,15 @@ def test_majority_vote_is_trained_on_and_label_reward_kept_as_metric():
     assert [len(g.rollouts) for g in kept] == [3, 2]
 
 
-def test_group_reward_alone_label_free():
-    g = _group("a", ["5", "5", "6"], label=None)
-    asyncio.run(Scorer(None, _Tok(), group_reward_fn=MajorityVote()).score([g], RolloutStats()))
+def test_group_reward_alone_label_free(text_group, char_tokenizer):
+    g = text_group("a", ["5", "5", "6"], label=None)
+    asyncio.run(
+        Scorer(None, char_tokenizer, group_reward_fn=MajorityVote()).score([g], RolloutStats())
+    )
     assert [r.reward for r in g.rollouts] == [1.0, 1.0, 0.0]
 
 
-def test_group_reward_failures_fail_the_group_and_are_counted():
+def test_group_reward_failures_fail_the_group_and_are_counted(text_group, char_tokenizer):
     def raises(prompt, responses, rollouts):
         raise RuntimeError("judge down")
 
@@ -79,9 +60,9 @@ def test_group_reward_failures_fail_the_group_and_are_counted():
         (short, "group_reward_invalid"),
         (nan, "group_reward_invalid"),
     ):
-        g = _group("a", ["1", "2"])
+        g = text_group("a", ["1", "2"], label="19")
         stats = RolloutStats()
-        asyncio.run(Scorer(exact, _Tok(), group_reward_fn=fn).score([g], stats))
+        asyncio.run(Scorer(exact, char_tokenizer, group_reward_fn=fn).score([g], stats))
         assert [r.status for r in g.rollouts] == [RolloutStatus.FAILED] * 2, reason
         assert stats.failed == {reason: 2}
         assert reason in g.rollouts[0].metadata["failure"]

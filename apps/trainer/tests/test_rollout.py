@@ -5,35 +5,12 @@ from __future__ import annotations
 import asyncio
 import math
 
-from rl_core.types import Group, Prompt, Rollout, RolloutStatus
+from rl_core.types import Group, Prompt, RolloutStatus
 from rl_trainer.rollout import RolloutStats, Scorer, derive_seed, filter_groups
 from rl_trainer.tasks import AdditionTask, ReverseTask, position_match
 
 
-class _Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def _group(uid: str, responses: list[str]) -> Group:
-    p = Prompt(uid=uid, input="x", token_ids=(1,), label="ab")
-    rs = [
-        Rollout(
-            prompt_uid=uid,
-            rollout_id=f"{uid}/{j}",
-            sample_id=f"{uid}/{j}",
-            tokens=(1, *map(ord, t)),
-            response_start=1,
-            loss_mask=(1,) * len(t),
-            rollout_logprobs=(0.0,) * len(t),
-            versions=(0,) * len(t),
-        )
-        for j, t in enumerate(responses)
-    ]
-    return Group(prompt=p, rollouts=rs)
-
-
-def test_scorer_marks_failures_and_counts_them():
+def test_scorer_marks_failures_and_counts_them(text_group, char_tokenizer):
     def reward(prompt, response, rollout):
         if response == "boom":
             raise ValueError("bad")
@@ -43,9 +20,9 @@ def test_scorer_marks_failures_and_counts_them():
             return {"score": 1.0}
         return {"reward": float(response == prompt.label), "len": len(response)}
 
-    g = _group("g", ["ab", "boom", "nan", "nokey", "xx"])
+    g = text_group("g", ["ab", "boom", "nan", "nokey", "xx"])
     stats = RolloutStats()
-    asyncio.run(Scorer(reward, _Tok()).score([g], stats))
+    asyncio.run(Scorer(reward, char_tokenizer).score([g], stats))
     assert [r.status for r in g.rollouts] == [
         RolloutStatus.COMPLETED,
         RolloutStatus.FAILED,
@@ -60,14 +37,14 @@ def test_scorer_marks_failures_and_counts_them():
     assert len(kept) == 1 and len(kept[0].rollouts) == 2  # uneven group after removing failures
 
 
-def test_async_reward_and_filters():
+def test_async_reward_and_filters(text_group, char_tokenizer):
     async def reward(prompt, response, rollout):
         return float(response == prompt.label)
 
-    same = _group("same", ["xx", "yy"])
-    mixed = _group("mixed", ["ab", "yy"])
+    same = text_group("same", ["xx", "yy"])
+    mixed = text_group("mixed", ["ab", "yy"])
     stats = RolloutStats()
-    asyncio.run(Scorer(reward, _Tok()).score([same, mixed], stats))
+    asyncio.run(Scorer(reward, char_tokenizer).score([same, mixed], stats))
 
     def zero_std(group):
         rewards = [r.reward for r in group.rollouts]
@@ -103,7 +80,7 @@ def test_tasks_score_and_hold_out():
     assert a.score(ex["label"], ex["label"])["exact"] == 1.0
 
 
-def test_engine_error_results_are_failed_rollouts_and_counted():
+def test_engine_error_results_are_failed_rollouts_and_counted(char_tokenizer):
     from rl_core.types import FinishReason, GenerationResult
     from rl_trainer.rollout import rollout_from_result
 
@@ -118,5 +95,7 @@ def test_engine_error_results_are_failed_rollouts_and_counted():
     r = rollout_from_result(prompt, err, "p/0")
     assert r.status == RolloutStatus.FAILED and r.metadata["failure"] == "generation_error"
     stats = RolloutStats()
-    asyncio.run(Scorer(lambda *a: 1.0, _Tok()).score([Group(prompt=prompt, rollouts=[r])], stats))
+    asyncio.run(
+        Scorer(lambda *a: 1.0, char_tokenizer).score([Group(prompt=prompt, rollouts=[r])], stats)
+    )
     assert stats.failed == {"generation_error": 1} and r.reward is None
