@@ -1,15 +1,23 @@
-"""MegatronPolicy with two parallel dimensions at once, on four CPU processes (gloo).
+"""MegatronPolicy with two and three parallel dimensions at once, on four and eight CPU processes.
 
-One four-rank job (``_combined_worker.py``, launched like ``torchrun`` on 127.0.0.1 with a free
-port and one thread per process) runs TP=2 x DP=2 (distributed optimizer), TP=2 x PP=2 and
-PP=2 x DP=2 (distributed optimizer) once per module. Each data-parallel replica works on its
-shard of the step batch (``TrainBatch.shard``); the tests replay the whole batch with
-:class:`~rl_core.reference.HFPolicy` in this process on the same weights and compare log-probs,
-an SFT step and an RL step, the exported weights, and a checkpoint reloaded at world 1.
+Two jobs (``_combined_worker.py``, launched like ``torchrun`` on 127.0.0.1 with a free port, gloo,
+one thread per process), each run at most once per module and only when a test needs one of its
+layouts (see ``_combined_worker.LAUNCHES``):
+
+* 4 ranks: TP=2 x DP=2 (distributed optimizer), TP=2 x PP=2 and PP=2 x DP=2 (distributed
+  optimizer);
+* 8 ranks: TP=2 x PP=2 x DP=2 (distributed optimizer), plus a resume at that layout from a
+  distributed checkpoint with the optimizer state (1-2 min on two loaded cores).
+
+Each data-parallel replica works on its shard of the step batch (``TrainBatch.shard``); the tests
+replay the whole batch with :class:`~rl_core.reference.HFPolicy` in this process on the same
+weights and compare log-probs, an SFT step and an RL step, the exported weights, and a
+checkpoint reloaded at world 1.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -17,25 +25,68 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.algorithms import PolicyLoss
 from rl_core.reference import HFPolicy
 from rl_core.testing.policy import sft_loss
 
 WORKER = Path(__file__).with_name("_combined_worker.py")
-WORLD_SIZE = 4
-TIMEOUT_S = 900.0
-LR = 1e-3  # _combined_worker.LR
-SCENARIOS = {  # name -> (model of conftest.model_dirs, (tp, pp, dp)); as _combined_worker.SCENARIOS
-    "tp2_dp2": ("qwen3", (2, 1, 2)),
-    "tp2_pp2": ("qwen2", (2, 2, 1)),
-    "pp2_dp2": ("llama", (1, 2, 2)),
+TIMEOUT_S_PER_RANK = 225.0
+"""A launch is killed after this many seconds per rank (900 s at 4 ranks, 1800 s at 8)."""
+
+
+def _load_worker() -> ModuleType:
+    """``_combined_worker`` as a module (the layouts, batches and losses the ranks use)."""
+    name = "_rl_megatron_tests_combined_worker"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while building Scenario
+    spec.loader.exec_module(module)
+    return module
+
+
+W = _load_worker()
+WORLD_OF = {key: world for world, layouts in W.LAUNCHES.items() for key in layouts}
+"""Scenario name -> world size of the launch that runs it."""
+SCENARIO = {key: s for layouts in W.LAUNCHES.values() for key, s in layouts.items()}
+"""Scenario name -> :class:`_combined_worker.Scenario`."""
+
+
+RESUME_XFAIL: dict[str, str] = {
+    "tp2_pp2_dp2": (
+        "megatron-core 0.16.1 fully_reshardable save: get_parameter_state_dp_zero drops the "
+        "padding between DDP buckets but sharded_param_state_fully_reshardable slices it with "
+        "the padded param_index_map offsets ('param range exceeds unpadded buffer by 64 "
+        "elements'). Tied embeddings at PP>1 get a bucket of their own, so the saved fp32 "
+        "main embedding (and its Adam moments) are shifted by 64 values and "
+        "load(with_optimizer=True) restores them wrong (also at PP=2 x DP=1); untied Llama at "
+        "this layout resumes bitwise. Fix belongs in rl_megatron.checkpoint."
+    ),
 }
+"""Scenario name -> why its resume is a known failure (strict: a fix makes the case XPASS,
+which fails, so the entry gets removed)."""
+
+
+def _case(key: str, *, resume: bool = False) -> Any:
+    """``key`` as a parameter, with the marks of its launch (and of a known resume failure)."""
+    marks: list[Any] = []
+    if resume and key in RESUME_XFAIL:
+        marks.append(
+            pytest.mark.xfail(strict=True, raises=AssertionError, reason=RESUME_XFAIL[key])
+        )
+    return pytest.param(key, id=key, marks=marks)
+
+
+ALL_CASES = [_case(key) for key in SCENARIO]
+RESUME_CASES = [_case(key, resume=True) for key, s in SCENARIO.items() if s.resume]
 
 
 def _free_port() -> int:
@@ -44,30 +95,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rl_loss() -> PolicyLoss:
-    """The worker's RL loss: PPO clip-higher with an entropy bonus and a KL loss."""
-    return PolicyLoss(
-        PolicyLoss.Config(eps_clip_low=0.2, eps_clip_high=0.28, entropy_coef=0.01, kl_coef=0.1)
-    )
-
-
-def _run_ranks(out: Path, models: dict[str, Path]) -> float:
-    """Launch the four ranks and wait for them; the wall time in seconds.
+def _run_ranks(out: Path, models: dict[str, Path], world_size: int) -> tuple[float, str]:
+    """Launch ``world_size`` ranks and wait for them; the wall time in seconds and, if the job
+    failed, why (with the tail of every rank's log; empty on success).
 
     If a rank fails, the others (blocked in a collective) are killed at once; on timeout all
     are killed. Only the processes started here are ever killed.
     """
     port = _free_port()
     arg = json.dumps({k: str(v) for k, v in models.items()})
+    timeout_s = TIMEOUT_S_PER_RANK * world_size
     procs: list[subprocess.Popen[bytes]] = []
-    logs = [out / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
+    logs = [out / f"rank{rank}.log" for rank in range(world_size)]
     t0 = time.monotonic()
-    for rank in range(WORLD_SIZE):
+    for rank in range(world_size):
         env = {
             **os.environ,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
+            "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
@@ -88,8 +134,8 @@ def _run_ranks(out: Path, models: dict[str, Path]) -> float:
             if any(p.returncode for p in procs):
                 failure = "a rank failed"
                 break
-            if time.monotonic() - t0 > TIMEOUT_S:
-                failure = f"timed out after {TIMEOUT_S:.0f} s"
+            if time.monotonic() - t0 > timeout_s:
+                failure = f"timed out after {timeout_s:.0f} s"
                 break
             time.sleep(0.2)
     finally:
@@ -97,24 +143,53 @@ def _run_ranks(out: Path, models: dict[str, Path]) -> float:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    wall_s = time.monotonic() - t0
     if failure or any(p.returncode for p in procs):
         tails = [f"rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs)]
-        pytest.fail(
-            f"combined-parallel job: {failure or 'a rank failed'}\n" + "\n----\n".join(tails)
-        )
-    return time.monotonic() - t0
+        head = f"{world_size}-rank combined-parallel job: {failure or 'a rank failed'}\n"
+        return wall_s, head + "\n----\n".join(tails)
+    return wall_s, ""
+
+
+class _Launches:
+    """Each world size's job, launched the first time a test asks for one of its layouts and
+    kept (results or failure) for the rest of the module."""
+
+    def __init__(self, root: Path, model_dirs: dict[str, Path]) -> None:
+        self._root = root
+        self._models = model_dirs
+        self._done: dict[int, dict[str, Any] | str] = {}
+
+    def __call__(self, world_size: int) -> dict[str, Any]:
+        """The results of the ``world_size`` launch keyed ``"<scenario>/<what>"``, plus
+        ``_out`` (its output directory) and ``_wall_s``; fails the test if the job failed."""
+        if world_size not in self._done:
+            out = self._root / f"world{world_size}"
+            out.mkdir()
+            wall_s, failure = _run_ranks(out, self._models, world_size)
+            if failure:
+                self._done[world_size] = failure
+            else:
+                res = torch.load(out / "results.pt", weights_only=False)
+                res["_out"] = out
+                res["_wall_s"] = wall_s
+                self._done[world_size] = res
+        done = self._done[world_size]
+        if isinstance(done, str):
+            pytest.fail(done)
+        return done
 
 
 @pytest.fixture(scope="module")
-def job(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run the four-rank job once; its results keyed ``"<scenario>/<what>"``, plus
-    ``_out`` (the output directory) and ``_wall_s``."""
-    out = tmp_path_factory.mktemp("combined")
-    wall_s = _run_ranks(out, model_dirs)
-    res = torch.load(out / "results.pt", weights_only=False)
-    res["_out"] = out
-    res["_wall_s"] = wall_s
-    return res
+def launches(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> _Launches:
+    """The module's jobs, launched lazily (``-k "not tp2_pp2_dp2"`` never starts 8 ranks)."""
+    return _Launches(tmp_path_factory.mktemp("combined"), model_dirs)
+
+
+@pytest.fixture
+def job(launches: _Launches, key: str) -> dict[str, Any]:
+    """The results of the launch that ran scenario ``key``."""
+    return launches(WORLD_OF[key])
 
 
 def _whole(parts: list[dict[str, Any]], name: str) -> torch.Tensor:
@@ -125,6 +200,11 @@ def _whole(parts: list[dict[str, Any]], name: str) -> torch.Tensor:
         seen = by_dp.setdefault(p["dp_rank"], p[name])
         assert torch.equal(seen, p[name]), f"{name}: ranks of replica {p['dp_rank']} disagree"
     return torch.cat([by_dp[d] for d in sorted(by_dp)])
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
 def _assert_same_metrics(all_ranks: list[dict[str, float]], expected: dict[str, float]) -> None:
@@ -153,51 +233,62 @@ def _assert_same_update(
     assert float(diff.max()) <= 1e-4
 
 
+def _replay(model_path: Path, job: dict[str, Any], key: str) -> dict[str, Any]:
+    """HFPolicy replaying scenario ``key`` on the whole batch: log-probs and entropy, then the
+    SFT step and the RL step (metrics and weights before/after each), then log-probs again."""
+    ref = HFPolicy(HFPolicy.Config(model_path=str(model_path), lr=W.LR))
+    batch = job[f"{key}/batch"]
+    r: dict[str, Any] = {"initial": ref.compute_logprobs(batch, with_entropy=True)}
+    r["before_sft"] = {n: t.clone() for n, t in ref.named_weights()}
+    r["sft_metrics"] = ref.train_step(batch, sft_loss)
+    r["sft_weights"] = {n: t.clone() for n, t in ref.named_weights()}
+    r["rl_metrics"] = ref.train_step(job[f"{key}/rl_batch"], W.rl_loss())
+    r["rl_weights"] = {n: t.clone() for n, t in ref.named_weights()}
+    r["after"] = ref.compute_logprobs(batch).logprobs
+    return r
+
+
 @pytest.fixture(scope="module")
-def reference(job: dict[str, Any], model_dirs: dict[str, Path]) -> dict[str, dict[str, Any]]:
-    """HFPolicy replaying each scenario on the whole batch: log-probs and entropy, then the SFT
-    step and the RL step (metrics and weights before/after each), then log-probs again."""
-    out: dict[str, dict[str, Any]] = {}
-    for key, (arch, _) in SCENARIOS.items():
-        ref = HFPolicy(HFPolicy.Config(model_path=str(model_dirs[arch]), lr=LR))
-        batch = job[f"{key}/batch"]
-        r: dict[str, Any] = {"initial": ref.compute_logprobs(batch, with_entropy=True)}
-        r["before_sft"] = {n: t.clone() for n, t in ref.named_weights()}
-        r["sft_metrics"] = ref.train_step(batch, sft_loss)
-        r["sft_weights"] = {n: t.clone() for n, t in ref.named_weights()}
-        r["rl_metrics"] = ref.train_step(job[f"{key}/rl_batch"], _rl_loss())
-        r["rl_weights"] = {n: t.clone() for n, t in ref.named_weights()}
-        r["after"] = ref.compute_logprobs(batch).logprobs
-        out[key] = r
-    return out
+def _replays() -> dict[str, dict[str, Any]]:
+    """Module-wide cache of :func:`_replay` by scenario name."""
+    return {}
 
 
-SCENARIO_IDS = list(SCENARIOS)
+@pytest.fixture
+def reference(
+    _replays: dict[str, dict[str, Any]], job: dict[str, Any], model_dirs: dict[str, Path], key: str
+) -> dict[str, Any]:
+    """:func:`_replay` of scenario ``key`` (computed once per module)."""
+    if key not in _replays:
+        _replays[key] = _replay(model_dirs[SCENARIO[key].model], job, key)
+    return _replays[key]
 
 
-@pytest.mark.parametrize("key", SCENARIO_IDS)
+@pytest.mark.parametrize("key", ALL_CASES)
 def test_layout_and_sharded_logprobs_match_reference(
-    job: dict[str, Any], model_dirs: dict[str, Path], reference: dict[str, dict[str, Any]], key: str
+    job: dict[str, Any], model_dirs: dict[str, Path], reference: dict[str, Any], key: str
 ) -> None:
     """Each replica's shard, joined in data-parallel order, gives HFPolicy's whole-batch
     log-probs and entropy within 1e-5; the TP/PP ranks of a replica agree exactly."""
-    assert job[f"{key}/model_path"] == str(model_dirs[SCENARIOS[key][0]])
-    assert job[f"{key}/sizes"] == SCENARIOS[key][1]
-    assert job[f"{key}/batch"].num_shards == SCENARIOS[key][1][2]
+    scenario = SCENARIO[key]
+    assert job[f"{key}/model_path"] == str(model_dirs[scenario.model])
+    assert job[f"{key}/sizes"] == scenario.sizes(WORLD_OF[key])
+    assert job[f"{key}/batch"].num_shards == scenario.sizes(WORLD_OF[key])[2]
     parts = job[f"{key}/logprob_parts"]
-    expected = reference[key]["initial"]
+    assert len(parts) == WORLD_OF[key]
+    expected = reference["initial"]
     torch.testing.assert_close(_whole(parts, "logprobs"), expected.logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(_whole(parts, "entropy"), expected.entropy, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("key", SCENARIO_IDS)
+@pytest.mark.parametrize("key", ALL_CASES)
 def test_sft_then_rl_step_match_reference(
-    job: dict[str, Any], reference: dict[str, dict[str, Any]], key: str
+    job: dict[str, Any], reference: dict[str, Any], key: str
 ) -> None:
     """An SFT step and then a PPO + entropy + KL step over the shards give HFPolicy's
     whole-batch loss, metrics, grad norm and updated weights (gradients summed across replicas,
     shared and replicated parameters counted once), reported identically on every rank."""
-    ref = reference[key]
+    ref = reference
     _assert_same_metrics(job[f"{key}/sft_metrics"], ref["sft_metrics"])
     assert job[f"{key}/sft_metrics"][0]["tokens"] == float(job[f"{key}/batch"].loss_mask.sum())
     _assert_same_update(job[f"{key}/sft_weights"][0], ref["sft_weights"], ref["before_sft"])
@@ -207,20 +298,20 @@ def test_sft_then_rl_step_match_reference(
     torch.testing.assert_close(after, ref["after"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("key", SCENARIO_IDS)
+@pytest.mark.parametrize("key", ALL_CASES)
 def test_named_weights_identical_on_all_ranks(job: dict[str, Any], key: str) -> None:
-    """``named_weights()`` yields the same full HF tensors (names, order, values) on all four
-    ranks, whatever shard or stage each rank holds."""
+    """``named_weights()`` yields the same full HF tensors (names, order, values) on every
+    rank, whatever shard or stage each rank holds."""
     for step in ("sft", "rl"):
         exports = job[f"{key}/{step}_weights"]
-        assert len(exports) == WORLD_SIZE
+        assert len(exports) == WORLD_OF[key]
         for rank, weights in enumerate(exports[1:], start=1):
             assert list(weights) == list(exports[0]), (step, rank)
             for name, tensor in weights.items():
                 assert torch.equal(tensor, exports[0][name]), (step, rank, name)
 
 
-@pytest.mark.parametrize("key", SCENARIO_IDS)
+@pytest.mark.parametrize("key", ALL_CASES)
 def test_checkpoint_loads_at_world_one(
     job: dict[str, Any], model_dirs: dict[str, Path], key: str
 ) -> None:
@@ -235,8 +326,8 @@ def test_checkpoint_loads_at_world_one(
     assert set(saved) == set(exported)
     for name, tensor in exported.items():
         assert torch.equal(saved[name], tensor), name
-    arch = SCENARIOS[key][0]
-    policy = MegatronPolicy(MegatronPolicy.Config(model_path=str(model_dirs[arch]), lr=LR))
+    path = model_dirs[SCENARIO[key].model]
+    policy = MegatronPolicy(MegatronPolicy.Config(model_path=str(path), lr=W.LR))
     assert policy.layout.rank == 0 and policy.layout.dp_size == 1
     policy.load(ckpt, with_optimizer=False)
     assert policy.version == job[f"{key}/version"] == 2
@@ -244,3 +335,28 @@ def test_checkpoint_loads_at_world_one(
     torch.testing.assert_close(
         logp_T, _whole(job[f"{key}/after_parts"], "logprobs"), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize("key", RESUME_CASES)
+def test_resume_with_distributed_optimizer_state(job: dict[str, Any], key: str) -> None:
+    """A fresh policy at the same combined layout that loads the checkpoint saved with the
+    (distributed) optimizer state after the SFT step holds the saved weights on every rank
+    (version 1) and takes the uninterrupted run's RL step bitwise: the same metrics on every
+    rank, the same weights. Control: the same RL step from the same weights with fresh Adam
+    state (HFPolicy on the checkpoint's HF weights) lands measurably elsewhere, so the Adam
+    moments really were restored."""
+    assert job[f"{key}/resumed_version"] == 1
+    saved = job[f"{key}/sft_weights"][0]
+    for rank, loaded in enumerate(job[f"{key}/loaded_weights"]):
+        differ = sorted(n for n in saved if not torch.equal(loaded[n], saved[n]))
+        assert not differ, f"rank {rank} loaded other values for {differ}"
+    resumed = job[f"{key}/resumed_rl_metrics"]
+    assert all(m == job[f"{key}/rl_metrics"][0] for m in resumed), resumed
+    for weights in job[f"{key}/resumed_rl_weights"]:
+        assert _max_diff(weights, job[f"{key}/rl_weights"][0]) == 0.0
+
+    fresh = HFPolicy(HFPolicy.Config(model_path=str(job["_out"] / f"ckpt_{key}_step1"), lr=W.LR))
+    assert _max_diff(dict(fresh.named_weights()), saved) == 0.0
+    fresh.train_step(job[f"{key}/rl_batch"], W.rl_loss())
+    fresh_adam = {n: t.clone() for n, t in fresh.named_weights()}
+    assert _max_diff(fresh_adam, job[f"{key}/rl_weights"][0]) > 1e-4
