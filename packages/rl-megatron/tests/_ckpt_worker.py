@@ -8,7 +8,11 @@ world of one. Scenarios (each "step" is one SFT step on the batch of ``_dist_wor
   built policy loads the checkpoint and takes the third step again.
 * Resharding: the resumed TP=2 policy loads the world-of-one checkpoint and steps; a PP=2
   policy loads the TP=2 checkpoint, steps, saves, steps; a TP=2 policy loads that PP=2
-  checkpoint and steps; a PP=2 policy with the distributed optimizer loads the DP=2 checkpoint and steps.
+  checkpoint and steps.
+* Distributed optimizer at PP=2 (tied embedding in a DDP bucket of its own): a PP=2 policy
+  loads the DP=2 checkpoint, steps, saves, steps; a fresh PP=2 policy and a TP=2 policy load that
+  checkpoint and step. The same save without :mod:`rl_megatron.checkpoint`'s bucket-padding
+  workaround must be refused.
 * Refusal: the TP=2 plain-Adam policy asked to load the distributed-optimizer checkpoint.
 * The critic at TP=2: two value steps, save, a third; a fresh critic loads and steps again.
 
@@ -18,10 +22,12 @@ with world-of-one runs in the test process.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +36,30 @@ from _dist_worker import critic_targets, dp_shard, global_batch, snapshot, value
 
 from rl_core.errors import CheckpointError
 from rl_core.testing.policy import sft_loss
+from rl_megatron import checkpoint as rl_checkpoint
 from rl_megatron.critic import MegatronCritic
 from rl_megatron.policy import MegatronPolicy
 
 LR = 1e-3
+
+
+def unpadded_buckets(policy: MegatronPolicy) -> int:
+    """How many of this rank's DDP buckets are followed by another bucket and end in padding,
+    which megatron-core 0.16.1's ``get_parameter_state_dp_zero`` drops."""
+    optimizers = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    buckets = [b for opt in optimizers for buf in opt.buffers for b in buf.buckets[:-1]]
+    return sum(1 for b in buckets if b.numel_unpadded < b.grad_data.numel())
+
+
+@contextlib.contextmanager
+def without_bucket_padding_fix() -> Iterator[None]:
+    """megatron-core's own ``fully_reshardable`` gathering, without our padding workaround."""
+    fix = rl_checkpoint._dp_zero_state_keeps_bucket_padding
+    rl_checkpoint._dp_zero_state_keeps_bucket_padding = lambda _opt: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        rl_checkpoint._dp_zero_state_keeps_bucket_padding = fix
 
 
 def main() -> None:
@@ -102,10 +128,31 @@ def main() -> None:
     del tp2
     gc.collect()
 
+    # PP=2 with the distributed optimizer: the tied embedding gets a DDP bucket of its own (the
+    # layout megatron-core 0.16.1 saved shifted by the padding of the bucket before it).
     pp2d = build(pp_size=2, use_distributed_optimizer=True)
     pp2d.load(out_dir / "ck_dp2d", with_optimizer=True)
     step(pp2d, "dp2d_to_pp2d")
+    pp2d.save(out_dir / "ck_pp2d", with_optimizer=True)
+    step(pp2d, "pp2d/step4")
+    res["pp2d/unpadded_buckets"] = unpadded_buckets(pp2d)
+    with without_bucket_padding_fix():
+        try:
+            pp2d.save(out_dir / "ck_pp2d_unfixed", with_optimizer=True)
+            res["pp2d/refused_unfixed"] = ""
+        except CheckpointError as exc:
+            res["pp2d/refused_unfixed"] = str(exc)
     del pp2d
+    gc.collect()
+    pp2d = build(pp_size=2, use_distributed_optimizer=True)
+    pp2d.load(out_dir / "ck_pp2d", with_optimizer=True)
+    step(pp2d, "pp2d/resumed")
+    del pp2d
+    gc.collect()
+    tp2d = build(tp_size=2, use_distributed_optimizer=True)
+    tp2d.load(out_dir / "ck_pp2d", with_optimizer=True)
+    step(tp2d, "pp2d_to_tp2d")
+    del tp2d
     gc.collect()
 
     # ------------------------------------------------------------- the critic at TP=2

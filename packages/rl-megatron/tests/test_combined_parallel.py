@@ -60,17 +60,7 @@ SCENARIO = {key: s for layouts in W.LAUNCHES.values() for key, s in layouts.item
 """Scenario name -> :class:`_combined_worker.Scenario`."""
 
 
-RESUME_XFAIL: dict[str, str] = {
-    "tp2_pp2_dp2": (
-        "megatron-core 0.16.1 fully_reshardable save: get_parameter_state_dp_zero drops the "
-        "padding between DDP buckets but sharded_param_state_fully_reshardable slices it with "
-        "the padded param_index_map offsets ('param range exceeds unpadded buffer by 64 "
-        "elements'). Tied embeddings at PP>1 get a bucket of their own, so the saved fp32 "
-        "main embedding (and its Adam moments) are shifted by 64 values and "
-        "load(with_optimizer=True) restores them wrong (also at PP=2 x DP=1); untied Llama at "
-        "this layout resumes bitwise. Fix belongs in rl_megatron.checkpoint."
-    ),
-}
+RESUME_XFAIL: dict[str, str] = {}
 """Scenario name -> why its resume is a known failure (strict: a fix makes the case XPASS,
 which fails, so the entry gets removed)."""
 

@@ -24,7 +24,11 @@ Formats chosen, on megatron-core 0.16.1:
   data-parallel group at save time into per-parameter tensors of the model's shape, and each
   rank flattens and slices what it owns at load time). ``fully_sharded_model_space`` raises
   ``ShardedTensor.flattened_range is not supported`` in 0.16.1, and ``dp_reshardable`` only
-  reshards across data-parallel ranks.
+  reshards across data-parallel ranks. megatron-core 0.16.1 saves this format shifted for every
+  parameter in a DDP bucket that follows a padded one (tied embeddings at PP>1 always are);
+  :func:`_dp_zero_state_keeps_bucket_padding` corrects that, and every save first checks, on
+  every rank, that the state it is about to write slices back to the live state bitwise
+  (:class:`~rl_core.errors.CheckpointError` otherwise, before anything is written).
 
 A checkpoint of one optimizer kind does not load into the other (the state keys differ); the
 policy refuses that with a :class:`~rl_core.errors.CheckpointError` before reading anything.
@@ -36,6 +40,10 @@ spawned ``multiprocessing`` manager, neither of which this package needs otherwi
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +106,133 @@ def _sharded_state_dict(
     module: Any, optimizer: Any, *, distributed_optimizer: bool, is_loading: bool
 ) -> dict[str, Any]:
     model_sd = module.sharded_state_dict()
-    optim_sd = optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata=_metadata(distributed_optimizer)
-    )
+    if not distributed_optimizer:
+        optim_sd = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_metadata(False)
+        )
+        return {"model": model_sd, "optimizer": optim_sd}
+    with _dp_zero_state_keeps_bucket_padding(optimizer):
+        optim_sd = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_metadata(True)
+        )
+    if not is_loading:
+        inner = _inner_optimizers(optimizer)
+        parts = [optim_sd] if len(inner) == 1 else [optim_sd[i] for i in range(len(inner))]
+        problems = [_saved_distopt_state_problem(o, p) for o, p in zip(inner, parts, strict=True)]
+        _raise_if_any_rank([p for p in problems if p])
     return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _raise_if_any_rank(problems: list[str]) -> None:
+    """Raise on every rank if any rank found a problem (so no rank enters the collective write
+    alone)."""
+    bad = torch.tensor([1 if problems else 0], dtype=torch.int64)
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    if int(bad.item()):
+        detail = problems[0] if problems else "on another rank"
+        raise CheckpointError(
+            f"distributed optimizer: the state gathered for the checkpoint differs from the live "
+            f"state ({detail}), a megatron-core layout mismatch; refusing to write a checkpoint "
+            "that would resume wrong. Set policy.use_distributed_optimizer=False to checkpoint "
+            "this model."
+        )
+
+
+@contextlib.contextmanager
+def _dp_zero_state_keeps_bucket_padding(optimizer: Any) -> Iterator[None]:
+    """Work around a megatron-core 0.16.1 bug in the ``fully_reshardable`` optimizer format.
+
+    ``DistributedOptimizer.get_parameter_state_dp_zero`` concatenates each DDP bucket's
+    *unpadded* elements (dropping the padding at the end of every bucket), but
+    ``sharded_param_state_fully_reshardable`` slices the result with the *padded* buffer offsets
+    of ``param_index_map``. Every parameter in bucket ``k > 0`` is then read shifted by the
+    padding of buckets ``0..k-1``, and its tail is zero-filled (megatron logs "param range exceeds
+    unpadded buffer by N elements"). Tied embeddings at PP>1 always get a bucket of their own
+    (``shared_embedding``), and a ``bucket_size`` splits any buffer into several buckets.
+
+    While this context is open, each inner distributed optimizer's ``get_parameter_state_dp_zero``
+    (an instance attribute, removed on exit; the class is untouched) puts the padding back, so the
+    world tensors are indexed like ``param_index_map``. The load side
+    (``load_parameter_state_from_fully_reshardable``) indexes per parameter and is not affected.
+    """
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        original = getattr(opt, "get_parameter_state_dp_zero", None)
+        if original is None:
+            continue
+        opt.get_parameter_state_dp_zero = functools.partial(_padded_dp_zero_state, opt, original)
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.get_parameter_state_dp_zero
+
+
+def _padded_dp_zero_state(opt: Any, original: Callable[..., Any], **kwargs: Any) -> Any:
+    """``original(**kwargs)`` (megatron's ``get_parameter_state_dp_zero``) with every world
+    tensor laid out like the DDP buffer: bucket ``b`` at ``b.offset``, zeros in the padding."""
+    state = original(**kwargs)
+    if state is None:  # a DP rank > 0 in megatron's memory-efficient mode
+        return None
+    for gbuf_idx, buffer in enumerate(opt.buffers):
+        for dtype, world in state[gbuf_idx].items():
+            state[gbuf_idx][dtype] = {
+                key: _with_bucket_padding(t, buffer) if isinstance(t, torch.Tensor) else t
+                for key, t in world.items()
+            }
+    return state
+
+
+def _with_bucket_padding(world_N: torch.Tensor, buffer: Any) -> torch.Tensor:
+    """Re-insert the padding at the end of each of ``buffer``'s buckets into ``world_N``, the
+    concatenation of the buckets' unpadded elements."""
+    if world_N.numel() == buffer.numel:  # nothing dropped (no padding, or a fixed megatron-core)
+        return world_N
+    unpadded = sum(b.numel_unpadded for b in buffer.buckets)
+    if world_N.numel() != unpadded:
+        raise CheckpointError(
+            f"distributed optimizer state of {world_N.numel()} elements matches neither the DDP "
+            f"buffer ({buffer.numel}) nor its unpadded buckets ({unpadded}); this megatron-core "
+            "version is not supported by rl_megatron.checkpoint. Use "
+            "policy.use_distributed_optimizer=False, or pin megatron-core 0.16.1."
+        )
+    padded_N = world_N.new_zeros(buffer.numel)
+    src = 0
+    for bucket in buffer.buckets:
+        n = bucket.numel_unpadded
+        padded_N[bucket.offset : bucket.offset + n] = world_N[src : src + n]
+        src += n
+    return padded_N
+
+
+def _saved_distopt_state_problem(opt: Any, optim_part: dict[str, Any]) -> str | None:
+    """What is wrong with the distributed-optimizer state about to be written, or ``None``.
+
+    For every parameter range this rank owns, the saved per-parameter tensors (fp32 main weight,
+    ``exp_avg``, ``exp_avg_sq``) are flattened and sliced exactly as
+    ``load_parameter_state_from_fully_reshardable`` will slice them, and must equal the live
+    state bitwise; so a checkpoint that would load back different values is never written.
+    """
+    param_state = optim_part.get("param_state")
+    if param_state is None:  # nothing built on this rank (megatron's memory-efficient mode)
+        return None
+    param_idx = -1
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for per_bucket in gbuf_range_maps.values():
+            owned = collections.ChainMap(*(m["param_map"] for m in per_bucket))
+            for model_param in opt.buffers[gbuf_idx].param_index_map:
+                param_idx += 1  # the order of megatron's save and load
+                if model_param not in owned:
+                    continue
+                rng = owned[model_param]["param"]
+                live = opt._get_main_param_and_optimizer_states(model_param)
+                for key, sharded in param_state[param_idx].items():
+                    saved_N = sharded.data.flatten()[rng.start : rng.end]
+                    live_N = live[key].detach().reshape(-1).to(saved_N.dtype).cpu()
+                    if not torch.equal(saved_N, live_N):
+                        return f"{sharded.key!r}, elements [{rng.start}, {rng.end})"
+    return None
 
 
 def save_distributed(
@@ -111,6 +242,10 @@ def save_distributed(
 
     Collective over all ranks. ``directory`` must be empty or absent; rank 0 creates it.
     ``distributed_optimizer`` says whether ``optimizer`` is Megatron's distributed optimizer.
+
+    Raises:
+        CheckpointError: (every rank, before any tensor is written) the distributed optimizer's
+            state as gathered for the checkpoint does not match the live state.
     """
     out = Path(directory)
     if torch.distributed.get_rank() == 0:

@@ -794,6 +794,11 @@ class MegatronPolicy(Policy):
         TP/PP/DP layout, see :mod:`rl_megatron.checkpoint`). Rank 0 removes an older
         :data:`STATE_FILE` first and writes the new one (version, schedule position, layout)
         last, after a barrier, so a directory with a state file is a complete checkpoint.
+
+        Raises:
+            CheckpointError: (every rank, before the optimizer state is written, so no state
+                file) the distributed optimizer's state would not load back as it is; see
+                :func:`~rl_megatron.checkpoint.save_distributed`.
         """
         from safetensors.torch import save_file
 
