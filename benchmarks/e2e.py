@@ -200,12 +200,13 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         spc = s["samples_per_cpu_s"]
         r2 = spc / trl["samples_per_cpu_s"] if trl and spc else float("nan")
         spc_s = f"{spc:>9.1f}" if spc else f"{'n/a':>9}"
+        r2_s = f"{r2:>6.2f}x" if r2 == r2 else f"{'n/a':>7}"  # NaN: no CPU time (Ray actors)
         rss_s = f"{s['peak_rss_mb']:>7.0f}" if s["peak_rss_mb"] else f"{'n/a':>7}"
         ttt = f"{s['time_to_target_s']:.1f}" if s["time_to_target_s"] is not None else "never"
         stt = str(s["step_to_target"]) if s["step_to_target"] is not None else "-"
         print(
             f"{LABELS[name]:<22}{s['samples_per_s']:>10.1f}{s['tokens_per_s']:>7.0f}"
-            f"{s['s_per_step']:>7.2f}{r1:>6.2f}x{spc_s}{r2:>6.2f}x"
+            f"{s['s_per_step']:>7.2f}{r1:>6.2f}x{spc_s}{r2_s}"
             f"{ttt:>10}{stt:>6}{s['seeds_reaching_target']:>3}/{s['seeds']}"
             f"{s['final_reward']:>8.3f}{s['mean_eval_reward_after_0']:>7.3f}"
             f"{s['train_reward_last20']:>7.3f}"
