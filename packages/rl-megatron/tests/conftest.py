@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -108,51 +111,73 @@ def _launch_ranks(
     timeout: float = 600.0,
     env: Mapping[str, str] | None = None,
     check: bool = True,
+    log_dir: Path | None = None,
 ) -> list[tuple[int, str]]:
     """Run ``cmd`` (or ``cmd(rank)``) as ``world_size`` torchrun-style ranks (gloo on 127.0.0.1,
     a free port, one torch thread each) and wait for all; returns each rank's (return code,
-    output). On a timeout every rank is killed; with ``check`` a failed rank fails the test with
-    every rank's log."""
+    output).
+
+    Output goes to ``rank<N>.log`` files (in ``log_dir``, else a temporary directory), so a
+    chatty rank never blocks on a full pipe. When a rank fails the others (blocked in a
+    collective) are killed at once, and all are killed after ``timeout`` seconds; only the
+    processes started here are ever killed. With ``check`` a failed job fails the test with the
+    tail of every rank's log.
+    """
     port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        rank_env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-            **(env or {}),
-        }
-        procs.append(
-            subprocess.Popen(
-                list(cmd(rank) if callable(cmd) else cmd),
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
+        procs = []
+        for rank in range(world_size):
+            rank_env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+                **(env or {}),
+            }
+            with logs[rank].open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        list(cmd(rank) if callable(cmd) else cmd),
+                        env=rank_env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        failure = ""
+        deadline = time.monotonic() + timeout
+        try:
+            while None in (codes := [p.poll() for p in procs]):  # poll every rank each time
+                if any(codes):
+                    failure = "a rank failed; the others were stopped"
+                    break
+                if time.monotonic() > deadline:
+                    failure = f"timed out after {timeout:.0f} s"
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        out = [(p.returncode, log.read_text(errors="replace")) for p, log in zip(procs, logs)]
+    if check and (failure or any(code for code, _ in out)):
+        pytest.fail(
+            f"{world_size}-rank job: {failure or 'a rank failed'}\n"
+            + "\n----\n".join(f"rank {r}:\n{log[-4000:]}" for r, (_, log) in enumerate(out))
         )
-    results = []
-    try:
-        for p in procs:
-            results.append((p.communicate(timeout=timeout)[0], p))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = [(p.returncode, log) for log, p in results]
-    if check and any(code for code, _ in out):
-        pytest.fail("a rank failed:\n" + "\n----\n".join(log[-4000:] for _, log in out))
     return out
 
 
 @pytest.fixture(scope="session")
 def launch_ranks() -> Callable[..., list[tuple[int, str]]]:
-    """``launch_ranks(cmd, world_size, timeout=600, env=None, check=True)``: run ``cmd`` as a
-    torchrun-style job of ``world_size`` CPU ranks; each rank's (return code, output)."""
+    """``launch_ranks(cmd, world_size, timeout=600, env=None, check=True, log_dir=None)``: run
+    ``cmd`` as a torchrun-style job of ``world_size`` CPU ranks; each rank's (return code,
+    output)."""
     return _launch_ranks

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,75 +76,14 @@ ALL_CASES = [_case(key) for key in SCENARIO]
 RESUME_CASES = [_case(key, resume=True) for key, s in SCENARIO.items() if s.resume]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run_ranks(out: Path, models: dict[str, Path], world_size: int) -> tuple[float, str]:
-    """Launch ``world_size`` ranks and wait for them; the wall time in seconds and, if the job
-    failed, why (with the tail of every rank's log; empty on success).
-
-    If a rank fails, the others (blocked in a collective) are killed at once; on timeout all
-    are killed. Only the processes started here are ever killed.
-    """
-    port = _free_port()
-    arg = json.dumps({k: str(v) for k, v in models.items()})
-    timeout_s = TIMEOUT_S_PER_RANK * world_size
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = [out / f"rank{rank}.log" for rank in range(world_size)]
-    t0 = time.monotonic()
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-        }
-        with logs[rank].open("wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(out), arg],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    failure = ""
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode for p in procs):
-                failure = "a rank failed"
-                break
-            if time.monotonic() - t0 > timeout_s:
-                failure = f"timed out after {timeout_s:.0f} s"
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    wall_s = time.monotonic() - t0
-    if failure or any(p.returncode for p in procs):
-        tails = [f"rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs)]
-        head = f"{world_size}-rank combined-parallel job: {failure or 'a rank failed'}\n"
-        return wall_s, head + "\n----\n".join(tails)
-    return wall_s, ""
-
-
 class _Launches:
     """Each world size's job, launched the first time a test asks for one of its layouts and
     kept (results or failure) for the rest of the module."""
 
-    def __init__(self, root: Path, model_dirs: dict[str, Path]) -> None:
+    def __init__(self, root: Path, model_dirs: dict[str, Path], launch_ranks: Any) -> None:
         self._root = root
         self._models = model_dirs
+        self._launch = launch_ranks
         self._done: dict[int, dict[str, Any] | str] = {}
 
     def __call__(self, world_size: int) -> dict[str, Any]:
@@ -156,9 +92,20 @@ class _Launches:
         if world_size not in self._done:
             out = self._root / f"world{world_size}"
             out.mkdir()
-            wall_s, failure = _run_ranks(out, self._models, world_size)
-            if failure:
-                self._done[world_size] = failure
+            models = json.dumps({k: str(v) for k, v in self._models.items()})
+            t0 = time.monotonic()
+            ranks = self._launch(
+                [sys.executable, str(WORKER), str(out), models],
+                world_size,
+                timeout=TIMEOUT_S_PER_RANK * world_size,
+                check=False,
+                log_dir=out,
+            )
+            wall_s = time.monotonic() - t0
+            if any(code for code, _ in ranks):
+                self._done[world_size] = f"{world_size}-rank combined-parallel job failed:\n" + (
+                    "\n----\n".join(f"rank {r}:\n{log[-3000:]}" for r, (_, log) in enumerate(ranks))
+                )
             else:
                 res = torch.load(out / "results.pt", weights_only=False)
                 res["_out"] = out
@@ -171,9 +118,11 @@ class _Launches:
 
 
 @pytest.fixture(scope="module")
-def launches(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> _Launches:
+def launches(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, launch_ranks: Any
+) -> _Launches:
     """The module's jobs, launched lazily (``-k "not tp2_pp2_dp2"`` never starts 8 ranks)."""
-    return _Launches(tmp_path_factory.mktemp("combined"), model_dirs)
+    return _Launches(tmp_path_factory.mktemp("combined"), model_dirs, launch_ranks)
 
 
 @pytest.fixture
