@@ -181,3 +181,31 @@ def launch_ranks() -> Callable[..., list[tuple[int, str]]]:
     ``cmd`` as a torchrun-style job of ``world_size`` CPU ranks; each rank's (return code,
     output)."""
     return _launch_ranks
+
+
+def _assert_same_update(
+    mine: dict[str, torch.Tensor],
+    theirs: dict[str, torch.Tensor],
+    before: dict[str, torch.Tensor],
+    *,
+    max_abs: float | None = None,
+) -> None:
+    """Same weights as the reference after a step: the step moved them, the mean difference is
+    below 0.1 % of the mean update, at most 0.1 % of the entries differ by more than 1e-5 (Adam's
+    first steps amplify rounding where a gradient is ~eps), and with ``max_abs`` no entry differs
+    by more than that."""
+    assert sorted(mine) == sorted(theirs)
+    update = torch.cat([(theirs[n] - before[n]).abs().flatten() for n in theirs])
+    diff = torch.cat([(mine[n] - theirs[n]).abs().flatten() for n in theirs])
+    assert update.mean() > 1e-4, "the reference step did not move the weights"
+    assert diff.mean() <= 1e-3 * update.mean(), (float(diff.mean()), float(update.mean()))
+    assert float((diff > 1e-5).float().mean()) <= 1e-3
+    if max_abs is not None:
+        assert float(diff.max()) <= max_abs
+
+
+@pytest.fixture(scope="session")
+def assert_same_update() -> Callable[..., None]:
+    """``assert_same_update(mine, theirs, before, max_abs=None)``: weights after a step equal the
+    reference's after the same step (see ``_assert_same_update``)."""
+    return _assert_same_update
