@@ -106,9 +106,7 @@ class RolloutPipeline:
                 async with self._cond:
                     await self._cond.wait_for(lambda need=need: self._released >= need)
                     self._producing = True
-                    weights = self._weights.pop(need, None)
-                    for v in [v for v in self._weights if v < need]:
-                        del self._weights[v]
+                    weights = self._take_weights(need)
                 await self.serve(need, weights)
                 metrics = await self.produce(step)
                 async with self._cond:
@@ -123,6 +121,14 @@ class RolloutPipeline:
                 self._cond.notify_all()
             if not isinstance(e, Exception):
                 raise
+
+    def _take_weights(self, version: int) -> Weights | None:
+        """The released copy of ``version`` (``None`` if none was kept); older copies are
+        dropped, the generator never goes back to them (hold ``_cond``)."""
+        weights = self._weights.pop(version, None)
+        for v in [v for v in self._weights if v < version]:
+            del self._weights[v]
+        return weights
 
     def _check(self) -> bool:
         if self._error is not None:
@@ -158,9 +164,7 @@ class RolloutPipeline:
         resumed requests); returns that version."""
         async with self._cond:
             newest = self._released
-            weights = self._weights.pop(newest, None)
-            for v in [v for v in self._weights if v < newest]:
-                del self._weights[v]
+            weights = self._take_weights(newest)
         await self.serve(newest, weights)
         return newest
 
