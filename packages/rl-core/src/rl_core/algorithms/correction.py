@@ -19,7 +19,8 @@ Modes, with bounds ``[low, high]``:
 - ``none``: ``w = 1``.
 
 A token counts as *clipped* when its raw weight lies outside ``[low, high]``. All outputs are 0
-off the mask.
+off the mask. The log-weight is clamped to ``+-LOG_RATIO_BOUND`` (20) before ``exp``, so ``raw``
+is at most ``exp(20)`` and never overflows; inside the bound the clamp changes nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from rl_core.errors import ConfigError, DataError
 __all__ = [
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
+    "LOG_RATIO_BOUND",
     "CorrectionWeights",
+    "clamp_log_ratio",
     "importance_weights",
     "logprob_mismatch",
 ]
@@ -44,8 +47,26 @@ CORRECTION_MODES: tuple[str, ...] = ("none", "tis", "mis", "icepop")
 CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 """Names accepted as ``level`` by :func:`importance_weights`."""
 
-# exp() of anything above this overflows float32; such weights are out of any sane bound anyway.
-_MAX_LOG_W = 80.0
+LOG_RATIO_BOUND = 20.0
+"""Bound on every log-ratio before ``exp``: losses, corrections and KL estimators use
+``exp(clamp(x, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))`` (see :func:`clamp_log_ratio`).
+
+``exp(x)`` overflows float32 above ~88.7; unclamped, one token with a huge log-ratio makes a PPO
+loss ``0 * inf = NaN`` on a zero advantage (every all-equal GRPO group) and its gradient NaN,
+which poisons the whole step. ``exp(20) ~ 4.9e8`` is far outside any clip range (PPO's
+``1 +- eps``, the correction bounds), so the clamp only touches tokens that are clipped, masked or
+truncated anyway, and there the gradient through the clamp is 0. Inside the bound it changes no
+bit of the result. verl clamps its low-variance KL at the same 20.
+"""
+
+
+def clamp_log_ratio(log_ratio_T: torch.Tensor) -> torch.Tensor:
+    """``log_ratio_T`` clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``: apply before ``exp``.
+
+    The identity (bit for bit, gradient included) inside the bound; ``+-inf`` become the bound,
+    with zero gradient.
+    """
+    return log_ratio_T.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +147,7 @@ def importance_weights(
         if level == "geometric":
             log_w_N = log_w_N / segment_sum(m_T, seq_T, n).clamp_min(1.0)
         log_w_T = log_w_N[seq_T]
-    raw_T = torch.exp(log_w_T.clamp(max=_MAX_LOG_W)) * m_T
+    raw_T = torch.exp(clamp_log_ratio(log_w_T)) * m_T
     outside_T = ((raw_T < clip_low) | (raw_T > clip_high)).to(m_T.dtype) * m_T
     if mode == "tis":
         weights_T = raw_T.clamp(clip_low, clip_high) * m_T

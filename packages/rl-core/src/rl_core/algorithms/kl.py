@@ -9,6 +9,11 @@ KL divergence"):
 - ``k3 = exp(-x) - 1 + x``: unbiased, non-negative;
 - ``low_var_kl``: ``k3`` clamped to ``[-10, 10]`` (verl / slime), for numerical safety.
 
+In ``k3`` (and ``low_var_kl``) the ``exp`` argument is clamped to ``+-LOG_RATIO_BOUND`` (20, see
+:mod:`rl_core.algorithms.correction`): without it ``x = -100`` gives an ``inf`` loss and a NaN
+gradient (``low_var_kl``'s output clamp passes 0, and ``0 * inf`` is NaN). Inside the bound
+nothing changes.
+
 The same estimators serve the KL loss and a KL penalty in the reward (REINFORCE++, GAE).
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_core.algorithms.correction import clamp_log_ratio
 from rl_core.errors import ConfigError
 
 __all__ = ["KL_KINDS", "kl_estimate"]
@@ -38,7 +44,7 @@ def kl_estimate(
         return x_T
     if kind == "k2":
         return 0.5 * x_T**2
-    k3_T = torch.expm1(-x_T) + x_T
+    k3_T = torch.expm1(clamp_log_ratio(-x_T)) + x_T
     if kind == "low_var_kl":
         return k3_T.clamp(-10.0, 10.0)
     return k3_T

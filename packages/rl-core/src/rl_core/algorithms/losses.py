@@ -9,6 +9,12 @@ Notation: ``logp`` current log-probs (with gradient), ``old`` ``TrainBatch.old_l
 ``sg(logp)`` when ``None``: on-policy, ratio 1 with the policy-gradient gradient), ``A_t`` the
 advantages, ``rho_t = exp(logp_t - old_t)``, ``eps_l``/``eps_h`` the clip range.
 
+Every log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` (20, defined in
+:mod:`rl_core.algorithms.correction`) before ``exp``: a log-ratio above ~88 would overflow float32
+to ``inf`` and turn the loss (``0 * inf`` on a zero advantage) or its gradient into NaN. The
+bound is far outside any clip range, so it only touches tokens that are clipped anyway; there the
+gradient is 0, and inside the bound the result is bitwise unchanged.
+
 **PolicyLoss** variants:
 
 - ``ppo``: ``L_t = max(-rho_t A_t, -clip(rho_t, 1-eps_l, 1+eps_h) A_t)`` (clip-higher when
@@ -44,6 +50,7 @@ import torch
 from rl_core.algorithms._segments import segment_sum, seq_index
 from rl_core.algorithms.correction import (
     check_correction,
+    clamp_log_ratio,
     importance_weights,
     logprob_mismatch,
 )
@@ -192,7 +199,8 @@ class PolicyLoss:
             seq_T = seq_index(batch.cu_seqlens)
             count_N = segment_sum(m_T, seq_T, n).clamp_min(1.0)
             log_ratio_T = (segment_sum(log_ratio_T, seq_T, n) / count_N)[seq_T] * m_T
-        ratio_T = torch.exp(log_ratio_T)
+        # clamped: exp(>88) is inf in float32, and 0 * inf a NaN loss/gradient (LOG_RATIO_BOUND)
+        ratio_T = torch.exp(clamp_log_ratio(log_ratio_T))
 
         eps_low = cfg.eps_clip_low
         eps_high = cfg.eps_clip_low if cfg.eps_clip_high is None else cfg.eps_clip_high
