@@ -3,8 +3,9 @@
 Every file source reads its records once at construction, checks them (a malformed line or a
 missing key raises :class:`~rl_core.errors.DataError` naming the file, line and key), tokenizes
 every prompt, and drops prompts longer than ``max_prompt_tokens`` (counted and logged, never
-truncated). Draws then walk a per-epoch permutation seeded by ``(seed, epoch)``; the cursor
-(epoch, position) is the whole state, so resuming is exact::
+truncated; when it is unset, the tokenizer's ``model_max_length`` is the limit if it has one).
+Draws then walk a per-epoch permutation seeded by ``(seed, epoch)``; the cursor (epoch, position)
+is the whole state, so resuming is exact::
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     src = JsonlSource(JsonlSource.Config(path="data/math.jsonl@[0:1000]",
@@ -17,21 +18,32 @@ A record's input (``input_key``) is plain text or a list of chat messages
 template renders it (text becomes one user message) with ``add_generation_prompt=True`` and
 ``chat_template_kwargs``; the rendered text is then encoded without extra special tokens. Without
 it, text is encoded directly and chat messages are an error.
+
+Chat messages must use one of ``chat_roles`` (``system``, ``user``, ``assistant``, ``tool``): a
+template renders an unknown role wrongly or drops it without a word. ``unknown_roles`` says what
+happens to such a record: ``refuse`` (default) raises ``DataError`` naming ``file:line``;
+``skip`` drops it (counted in ``num_dropped_unknown_role`` and logged).
+
+Text files are read as UTF-8; a leading byte-order mark is accepted (``utf-8-sig``). Every data
+error (undecodable bytes, malformed JSON, a line that is not an object, a missing key, a wrong
+type) is a ``DataError`` naming ``file:line`` (Parquet and ``datasets``: ``file:row N``).
 """
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from rl_core.errors import CheckpointError, ConfigError, DataError
+from rl_core.errors import CheckpointError, ConfigError, DataError, RLError
 from rl_core.interfaces import DataSource, Tokenizer
 from rl_core.types import Prompt
 
@@ -48,6 +60,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SLICE_RE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+"""Default ``SourceConfig.chat_roles``: the roles every common chat template renders."""
+
+# Hugging Face tokenizers without a known limit report model_max_length = int(1e30).
+_NO_MODEL_LIMIT = 10**18
 
 
 def parse_sliced_path(path: str) -> tuple[str, slice]:
@@ -94,6 +112,12 @@ class SourceConfig:
     """Shuffle the records every epoch."""
     seed: int = 0
     """Seed of the shuffle; epoch ``e`` uses the permutation seeded by ``(seed, e)``."""
+    chat_roles: tuple[str, ...] = CHAT_ROLES
+    """Roles chat messages may use; add a role (e.g. ``developer``, ``ipython``) only if your
+    chat template renders it."""
+    unknown_roles: Literal["refuse", "skip"] = "refuse"
+    """A record whose chat messages use a role outside ``chat_roles``: ``refuse`` raises
+    ``DataError`` naming ``file:line``; ``skip`` drops the record (counted and logged)."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -104,6 +128,15 @@ class SourceConfig:
             )
         if not self.input_key:
             raise ConfigError("data_source.input_key: empty; name the record key of the prompt.")
+        if self.unknown_roles not in ("refuse", "skip"):
+            raise ConfigError(
+                f"data_source.unknown_roles: {self.unknown_roles!r}; choose 'refuse' or 'skip'."
+            )
+        if not self.chat_roles or not all(isinstance(r, str) and r for r in self.chat_roles):
+            raise ConfigError(
+                f"data_source.chat_roles: {self.chat_roles!r}; list the role names the chat "
+                f"template renders (default {list(CHAT_ROLES)})."
+            )
 
 
 @dataclass(slots=True)
@@ -134,12 +167,22 @@ class FileSource(DataSource):
         """Records read (after slicing, before the length filter)."""
         self.num_dropped_too_long = 0
         """Records dropped because their prompt exceeds ``max_prompt_tokens``."""
+        self.num_dropped_unknown_role = 0
+        """Records dropped (``unknown_roles: skip``) for a chat role outside ``chat_roles``."""
+        limit, limit_name = self._prompt_limit()
+        self.max_prompt_tokens: int | None = limit
+        """The length limit applied: ``max_prompt_tokens``, else the tokenizer's
+        ``model_max_length`` when it has one, else ``None`` (no limit)."""
         self._rows: list[_Row] = []
+        self._skipped_roles: list[str] = []
         too_long: list[str] = []
         for row, where, record in self._read_records():
             self.num_records += 1
             r = self._convert(row, where, record)
-            if config.max_prompt_tokens is not None and len(r.token_ids) > config.max_prompt_tokens:
+            if r is None:
+                self.num_dropped_unknown_role += 1
+                continue
+            if self.max_prompt_tokens is not None and len(r.token_ids) > self.max_prompt_tokens:
                 self.num_dropped_too_long += 1
                 if len(too_long) < 5:
                     too_long.append(f"{where} ({len(r.token_ids)} tokens)")
@@ -147,25 +190,61 @@ class FileSource(DataSource):
             self._rows.append(r)
         if self.num_dropped_too_long:
             logger.warning(
-                "%s: dropped %d of %d prompts longer than max_prompt_tokens=%d (first: %s); "
-                "raise max_prompt_tokens to keep them.",
+                "%s: dropped %d of %d prompts longer than %s (first: %s); raise "
+                "data_source.max_prompt_tokens to keep them, or shorten those records.",
                 self.file,
                 self.num_dropped_too_long,
                 self.num_records,
-                config.max_prompt_tokens,
+                limit_name,
                 ", ".join(too_long),
+            )
+        if self.num_dropped_unknown_role:
+            logger.warning(
+                "%s: skipped %d of %d records whose chat messages use a role outside "
+                "data_source.chat_roles=%s (unknown_roles=skip; first: %s); add the role to "
+                "chat_roles if your chat template renders it.",
+                self.file,
+                self.num_dropped_unknown_role,
+                self.num_records,
+                list(config.chat_roles),
+                ", ".join(self._skipped_roles),
             )
         if not self._rows:
             raise DataError(
                 f"{config.path}: no prompts left ({self.num_records} records read, "
-                f"{self.num_dropped_too_long} longer than max_prompt_tokens). Check the path, "
-                "the slice and max_prompt_tokens."
+                f"{self.num_dropped_too_long} longer than {limit_name or 'max_prompt_tokens'}, "
+                f"{self.num_dropped_unknown_role} with an unknown chat role). Check the path, "
+                "the slice, data_source.max_prompt_tokens and data_source.chat_roles."
             )
         self._epoch = 0
         self._pos = 0
         self._order = self._epoch_order(0)
 
     # -- reading ---------------------------------------------------------------------------
+
+    def _prompt_limit(self) -> tuple[int | None, str]:
+        """The prompt length limit and how to name it in messages."""
+        limit = self.config.max_prompt_tokens
+        model_max = getattr(self.tokenizer, "model_max_length", None)
+        if not isinstance(model_max, int) or not 0 < model_max < _NO_MODEL_LIMIT:
+            model_max = None
+        if limit is not None:
+            if model_max is not None and limit > model_max:
+                logger.warning(
+                    "%s: data_source.max_prompt_tokens=%d exceeds the tokenizer's "
+                    "model_max_length=%d; longer prompts will fail at generation. Lower "
+                    "max_prompt_tokens.",
+                    self.file,
+                    limit,
+                    model_max,
+                )
+            return limit, f"data_source.max_prompt_tokens={limit}"
+        if model_max is not None:
+            return model_max, (
+                f"the tokenizer's model_max_length={model_max} (data_source.max_prompt_tokens "
+                "is unset)"
+            )
+        return None, ""
 
     def _read_records(self) -> Sequence[tuple[int, str, Any]]:
         """``(row index, location for messages, record)`` for every record in the slice."""
@@ -184,7 +263,7 @@ class FileSource(DataSource):
             )
         return record[key]
 
-    def _convert(self, row: int, where: str, record: Any) -> _Row:
+    def _convert(self, row: int, where: str, record: Any) -> _Row | None:
         cfg = self.config
         inp = self._get(record, cfg.input_key, where, "input_key")
         label = self._get(record, cfg.label_key, where, "label_key") if cfg.label_key else None
@@ -192,13 +271,7 @@ class FileSource(DataSource):
         if cfg.metadata_key:
             meta = self._get(record, cfg.metadata_key, where, "metadata_key")
             if isinstance(meta, str):
-                try:
-                    meta = json.loads(meta)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{where}: key {cfg.metadata_key!r} is a string but not JSON ({e.msg}); "
-                        "store a JSON object."
-                    ) from None
+                meta = _parse_json(meta, where, f"key {cfg.metadata_key!r} is a string but not")
             if meta is not None and not isinstance(meta, Mapping):
                 raise DataError(
                     f"{where}: key {cfg.metadata_key!r} must be an object, got "
@@ -213,16 +286,42 @@ class FileSource(DataSource):
         metadata["row"] = row
         if isinstance(inp, str):
             pass
-        elif isinstance(inp, list) and all(
-            isinstance(m, Mapping) and "role" in m and "content" in m for m in inp
+        elif (
+            isinstance(inp, list)
+            and inp
+            and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in inp)
         ):
             inp = [dict(m) for m in inp]
+            if not self._roles_known(inp, where):
+                return None
         else:
+            got = "an empty list" if isinstance(inp, list) and not inp else type(inp).__name__
             raise DataError(
-                f"{where}: key {cfg.input_key!r} must be a string or a list of chat messages "
-                f"({{'role': ..., 'content': ...}}), got {type(inp).__name__}."
+                f"{where}: key {cfg.input_key!r} must be a string or a non-empty list of chat "
+                f"messages ({{'role': ..., 'content': ...}}), got {got}. Fix the record or set "
+                "input_key to the key that holds the prompt."
             )
         return _Row(row, inp, self._tokenize(inp, tools, where), label, metadata)
+
+    def _roles_known(self, messages: list[dict[str, Any]], where: str) -> bool:
+        """True if every message's role is in ``chat_roles``; False (skip the record) or
+        :class:`DataError` (refuse) otherwise, as ``unknown_roles`` says."""
+        cfg = self.config
+        for i, m in enumerate(messages):
+            role = m["role"]
+            if isinstance(role, str) and role in cfg.chat_roles:
+                continue
+            if cfg.unknown_roles == "skip":
+                if len(self._skipped_roles) < 5:
+                    self._skipped_roles.append(f"{where} role {role!r}")
+                return False
+            raise DataError(
+                f"{where}: message {i} has role {role!r}, not one of data_source.chat_roles="
+                f"{list(cfg.chat_roles)}; a chat template renders an unknown role wrongly or "
+                "drops it silently. Fix the record, add the role to chat_roles if your template "
+                "renders it, or set unknown_roles: skip to drop such records."
+            )
+        return True
 
     def _tokenize(self, inp: str | list[dict[str, Any]], tools: Any, where: str) -> tuple[int, ...]:
         cfg = self.config
@@ -232,7 +331,7 @@ class FileSource(DataSource):
                     f"{where}: key {cfg.input_key!r} holds chat messages but apply_chat_template "
                     "is false; set apply_chat_template=true to render them."
                 )
-            ids = self.tokenizer.encode(inp, add_special_tokens=cfg.add_special_tokens)
+            ids = self._encode(inp, where, add_special_tokens=cfg.add_special_tokens)
         else:
             messages = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
             kwargs = dict(cfg.chat_template_kwargs)
@@ -244,11 +343,25 @@ class FileSource(DataSource):
                 )
             except Exception as e:  # the template is user code (Jinja); name the record
                 raise DataError(f"{where}: the chat template failed on this record: {e}") from e
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{where}: the chat template returned {type(text).__name__}, not text; "
+                    "check the tokenizer's chat template."
+                )
+            ids = self._encode(text, where, add_special_tokens=False)
         out = tuple(int(t) for t in ids)
         if not out:
             raise DataError(f"{where}: the prompt tokenizes to zero tokens; remove the record.")
         return out
+
+    def _encode(self, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # the tokenizer is third-party code; name the record
+            raise DataError(
+                f"{where}: the tokenizer failed on this record ({type(e).__name__}: {e}); fix "
+                "the text (e.g. a lone surrogate escape such as \\ud800) or remove the record."
+            ) from e
 
     # -- drawing ---------------------------------------------------------------------------
 
@@ -295,12 +408,14 @@ class FileSource(DataSource):
         return self._epoch
 
     def stats(self) -> dict[str, float]:
-        """Counters as metrics: records read, prompts kept, prompts dropped as too long."""
+        """Counters as metrics: records read, prompts kept, prompts dropped as too long or for
+        an unknown chat role."""
         p = f"data/{self.name}"
         return {
             f"{p}/records": float(self.num_records),
             f"{p}/prompts": float(len(self._rows)),
             f"{p}/dropped_too_long": float(self.num_dropped_too_long),
+            f"{p}/dropped_unknown_role": float(self.num_dropped_unknown_role),
             f"{p}/epoch": float(self._epoch),
         }
 
@@ -339,7 +454,7 @@ class JsonlSource(FileSource):
     """Prompts from a JSON-lines file, one JSON object per line (blank lines are skipped).
 
     See :class:`SourceConfig` for the options; the slice ``@[a:b]`` counts non-blank lines.
-    Errors name ``file:line``.
+    The file is UTF-8, optionally with a byte-order mark. Errors name ``file:line``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -350,23 +465,48 @@ class JsonlSource(FileSource):
         super().__init__(config, tokenizer)
 
     def _read_records(self) -> list[tuple[int, str, Any]]:
-        lines: list[tuple[int, str]] = []
-        with open(self.file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    lines.append((lineno, line))
-        indexed = list(enumerate(lines))[self._slice]
-        out = []
-        for row, (lineno, line) in indexed:
-            where = f"{self.file}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{where}: malformed JSON ({e.msg} at column {e.colno}). Fix or remove the line."
-                ) from None
-            out.append((row, where, record))
-        return out
+        indexed = list(enumerate(_jsonl_lines(self.file)))[self._slice]
+        return [
+            (row, f"{self.file}:{lineno}", _parse_json(line.rstrip("\n"), f"{self.file}:{lineno}"))
+            for row, (lineno, line) in indexed
+        ]
+
+
+def _jsonl_lines(file: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of a UTF-8 file (a leading byte-order mark
+    is dropped; lines end at ``\\n``, ``\\r\\n`` or ``\\r``). Undecodable bytes raise
+    :class:`DataError` naming ``file:line``."""
+    data = file.read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # the text before the bad byte decodes; count its lines as the reader would
+        head = io.StringIO(data[: e.start].decode("utf-8"), newline=None).read()
+        lineno = head.count("\n") + 1
+        column = len(head) - head.rfind("\n")
+        raise DataError(
+            f"{file}:{lineno}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column}). "
+            "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl) or "
+            "remove the line."
+        ) from None
+    return [
+        (lineno, line)
+        for lineno, line in enumerate(io.StringIO(text, newline=None), start=1)
+        if line.strip()
+    ]
+
+
+def _parse_json(text: str, where: str, what: str = "malformed") -> Any:
+    """``json.loads(text)``, or :class:`DataError` naming ``where``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        detail = f"{e.msg} at column {e.colno}"
+    except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting too deep
+        detail = str(e) or type(e).__name__
+    raise DataError(f"{where}: {what} JSON ({detail}). Fix or remove the record.")
 
 
 class ParquetSource(FileSource):
@@ -422,28 +562,53 @@ class HFDatasetSource(FileSource):
                 "HFDatasetSource needs datasets: pip install 'rl-buffer[datasets]'."
             ) from None
         split = getattr(self.config, "split", "train")
-        if self.file.is_dir():
-            ds = datasets.load_from_disk(str(self.file))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
+        suffix = self.file.suffix.lstrip(".")
+        try:
+            if self.file.is_dir():
+                ds = datasets.load_from_disk(str(self.file))
+                if isinstance(ds, datasets.DatasetDict):
+                    if split not in ds:
+                        raise ConfigError(
+                            f"data_source.split: {split!r} not in {self.file} (splits: {list(ds)})."
+                        )
+                    ds = ds[split]
+            else:
+                kind = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}
+                if suffix not in kind:
                     raise ConfigError(
-                        f"data_source.split: {split!r} not in {self.file} (splits: {list(ds)})."
+                        f"data_source.path: {self.file} is neither a saved dataset directory nor "
+                        "a .json/.jsonl/.csv/.parquet file."
                     )
-                ds = ds[split]
-        else:
-            kind = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(
-                self.file.suffix.lstrip(".")
-            )
-            if kind is None:
-                raise ConfigError(
-                    f"data_source.path: {self.file} is neither a saved dataset directory nor a "
-                    ".json/.jsonl/.csv/.parquet file."
-                )
-            ds = datasets.load_dataset(kind, data_files=str(self.file), split=split)
-        n = len(ds)
-        idx = range(n)[self._slice]
-        sub = ds.select(list(idx)) if len(idx) != n else ds
-        return [(i, f"{self.file}:row {i}", rec) for i, rec in zip(idx, sub)]
+                if kind[suffix] != "parquet":
+                    _jsonl_lines(self.file)  # UTF-8 (pyarrow does not check): names file:line
+                ds = datasets.load_dataset(kind[suffix], data_files=str(self.file), split=split)
+            n = len(ds)
+            idx = range(n)[self._slice]
+            sub = ds.select(list(idx)) if len(idx) != n else ds
+            return [(i, f"{self.file}:row {i}", rec) for i, rec in zip(idx, sub)]
+        except RLError:
+            raise
+        except Exception as e:  # datasets, pyarrow and pandas raise many types for a bad file
+            if self.file.is_dir():
+                raise DataError(
+                    f"{self.file}: not a dataset saved with save_to_disk ({type(e).__name__}: "
+                    f"{e}). Point data_source.path at a saved dataset or a data file."
+                ) from e
+            lines = _jsonl_lines(self.file) if suffix in ("jsonl", "json", "csv") else [1]
+            if not lines:
+                raise DataError(
+                    f"{self.file}: the file has no records; check data_source.path."
+                ) from e
+            if suffix == "jsonl":  # name the line at fault, if one is
+                for lineno, line in lines:
+                    where = f"{self.file}:{lineno}"
+                    record = _parse_json(line.rstrip("\n"), where)
+                    self._get(record, self.config.input_key, where, "input_key")
+            raise DataError(
+                f"{self.file}: datasets could not load it ({type(e).__name__}: {e}). Every "
+                "record needs the same keys with the same types; or read a JSON-lines file "
+                "with type: jsonl, which names the line at fault."
+            ) from e
 
 
 class MixtureSource(DataSource):
