@@ -7,10 +7,10 @@ under ``rollout/failed/<reason>``, and the first cause of each reason is kept as
 :class:`Failure`. When every rollout of a round fails, :func:`check_round` stops the run with a
 report such as::
 
-    RewardError: step 1, round 1: 4 of 4 rollouts failed; the run stops, since no rollout can
-    be trained on. Causes: reward_error: 4 rollouts, from reward (type 'my_reward:score'):
-    ZeroDivisionError: division by zero at /home/me/my_reward.py:7 in score: `return 1 / 0`
-    (first on sample 3/0). Fix the component named above.
+    RewardError: step 1, round 1: 4 of 4 rollouts failed, so the run stops (none could be
+    used). 4 reward_error from reward (type 'my_reward:score'): ZeroDivisionError: division by
+    zero at /home/me/my_reward.py:7 in score: `return 1 / 0` (first on sample train:0:16/0).
+    Fix the reward where it raised.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ class Failure:
     """``file:line in function: `source line``` of the user's code, when there is a traceback."""
     sample: str = ""
     """The sample id (or prompt uid) it first happened on."""
+    defined_at: str = ""
+    """For a wrong return value (no user frame in the traceback): where the function is
+    defined, ``score is defined at file:line``."""
 
     @classmethod
     def from_exception(
@@ -131,13 +134,16 @@ class Failure:
         out = f"from {self.component}: {self.error}"
         if self.where:
             out += f" at {self.where}"
+        if self.defined_at:
+            out += f" ({self.defined_at})"
         if self.sample:
             out += f" (first on sample {self.sample})"
         return out
 
 
 def describe_failures(failed: Mapping[str, int], first: Mapping[str, Failure]) -> str:
-    """``N rollouts reason, <first cause>; ...`` for every counted reason, most frequent first."""
+    """``<N> <reason> from <component>: <first cause>; ...`` for every counted reason, most
+    frequent first."""
     parts = []
     for reason, n in Counter(failed).most_common():
         cause = first.get(reason)
@@ -158,19 +164,30 @@ def error_class(failed: Mapping[str, int]) -> type[RLError]:
 
 _HINTS = {
     "reward_error": "fix the reward where it raised",
-    "reward_invalid": "a reward returns a finite float, or a mapping with a 'reward' key",
+    "reward_invalid": "make the reward return a finite number (or a mapping with a 'reward' "
+    "key) on every path, e.g. 0.0 where it cannot score",
     "group_reward_error": "fix the group reward where it raised",
-    "group_reward_invalid": "a group reward returns one finite float (or mapping) per rollout",
+    "group_reward_invalid": "make the group reward return one finite number (or mapping) per "
+    "rollout, in order",
     "rollout_fn_error": "fix rollout.generate_fn where it raised",
-    "rollout_fn_invalid": "a generate_fn returns a list of Rollout",
-    "filter_error": "a filter returns None to keep a group or a drop-reason string",
+    "rollout_fn_invalid": "make rollout.generate_fn return a list of Rollout",
+    "filter_error": "fix the filter: it returns None to keep a group or a drop-reason string",
 }
 
 
 def fix_hint(failed: Mapping[str, int]) -> str:
     """What to do about the counted reasons (``failed``), most frequent first."""
-    hints = [_HINTS.get(r, "see the generator's log") for r, _ in Counter(failed).most_common()]
-    return "; ".join(dict.fromkeys(hints)).capitalize() + "."
+    hints = [_hint(r) for r, _ in Counter(failed).most_common()]
+    text = "; ".join(dict.fromkeys(hints))
+    return text[:1].upper() + text[1:] + "."
+
+
+def _hint(reason: str) -> str:
+    if reason in _HINTS:
+        return _HINTS[reason]
+    if reason.startswith("generation"):
+        return "the generator failed these requests; see its log"
+    return "see metadata['failure'] of the failed rollouts (set by rollout.generate_fn)"
 
 
 def check_round(

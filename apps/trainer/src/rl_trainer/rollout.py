@@ -156,9 +156,7 @@ async def generate_groups(
                 if isinstance(e, _InvalidResult)
                 else FailureReasons.ROLLOUT_FN_ERROR
             )
-            failure = Failure.from_exception(reason, generate_fn_name, e, sample=p.uid)
-            if isinstance(e, _InvalidResult):
-                failure.where = defined_at(generate_fn)
+            failure = _failure(reason, generate_fn_name, e, p.uid, generate_fn)
             if stats is None:
                 raise RLError(f"{generate_fn_name}: {failure.describe()}.") from e
             stats.rollouts += n_samples
@@ -195,8 +193,22 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _failure(reason: str, component: str, e: Exception, sample: str, fn: Any) -> Failure:
+    """The cause of a failure of user code ``fn``: at the user's frame when it raised; where
+    ``fn`` is defined when it returned a wrong value (the traceback is then ours)."""
+    if isinstance(e, _InvalidResult):
+        return Failure(
+            reason=reason,
+            component=component,
+            error=str(e),
+            sample=sample,
+            defined_at=defined_at(fn),
+        )
+    return Failure.from_exception(reason, component, e, sample=sample)
+
+
 def defined_at(fn: Any) -> str:
-    """``file:line in name`` where ``fn`` (or its class, for a callable object) is defined, or
+    """``<name> is defined at file:line`` for ``fn`` (or its class, for a callable object), or
     ``""`` when unknown: where to look when it returned a wrong value."""
     target = fn if inspect.isroutine(fn) else type(fn)
     try:
@@ -205,7 +217,7 @@ def defined_at(fn: Any) -> str:
         _, line = inspect.getsourcelines(target)
     except (TypeError, OSError):
         return ""
-    return f"{file}:{line} in {getattr(target, '__qualname__', target)}"
+    return f"{getattr(target, '__qualname__', target)} is defined at {file}:{line}"
 
 
 class WeightUpdates(Protocol):
@@ -446,9 +458,7 @@ class Scorer:
         name = self.group_reward_name if group else self.reward_name
         fn = self.group_reward_fn if group else self.reward_fn
         reason = error_reason.replace("_error", "_invalid") if _invalid(e) else error_reason
-        failure = Failure.from_exception(reason, name, e, sample=rs[0].sample_id)
-        if _invalid(e):  # the traceback is ours: point at the function that returned it
-            failure.where = defined_at(fn)
+        failure = _failure(reason, name, e, rs[0].sample_id, fn)
         for r in rs:
             r.status = RolloutStatus.FAILED
             r.metadata["failure"] = f"{reason}: {failure.error}"
@@ -543,11 +553,7 @@ class GuardedFilter:
                     "a filter returns None to keep the group or a drop-reason string"
                 )
         except Exception as e:  # user code must never crash the round
-            failure = Failure.from_exception(
-                FailureReasons.FILTER_ERROR, self.name, e, sample=group.uid
-            )
-            if _invalid(e):
-                failure.where = defined_at(self.fn)
+            failure = _failure(FailureReasons.FILTER_ERROR, self.name, e, group.uid, self.fn)
             self.stats.record(FailureReasons.FILTER_ERROR, len(group.rollouts), failure)
             return FailureReasons.FILTER_ERROR
         return reason
