@@ -165,15 +165,16 @@ def check_callable(
     callability is checked. ``ref`` is how the config names ``obj`` (``'my_pkg.rewards:score'``).
     The error shows both sides, e.g.::
 
-        reward: 'my_reward:score' takes (a, b), which does not match how it is called: the
-        trainer calls it as score(prompt, response, rollout) (too many positional arguments).
+        reward: 'my_reward:score' takes (a, b), which does not match RewardFn: the trainer
+        calls it as score(prompt, response, rollout) (too many positional arguments).
     """
-    what = protocol.__name__ if protocol is not object else "callable"
+    what = protocol.__name__ if protocol is not object else "the call"
     name = ref or getattr(obj, "__qualname__", None) or type(obj).__qualname__
     if not callable(obj):
+        expected = f"a {what} (" if protocol is not object else "("
         raise ConfigError(
-            f"{field}: {name!r} is not callable ({type(obj).__name__}); expected a {what}: a "
-            "function, or an object with __call__."
+            f"{field}: {ref or repr(obj)!r} (of type {type(obj).__name__}) is not callable; "
+            f"expected {expected}a function, or an object with __call__)."
         )
     params = list(call) if call is not None else _protocol_params(protocol)
     if params is None and n_args is not None:
@@ -190,9 +191,9 @@ def check_callable(
         fn_name = getattr(obj, "__name__", None) or type(obj).__name__
         shown = ", ".join(params)
         raise ConfigError(
-            f"{field}: {name!r} takes {_plain_signature(sig)}, which does not match how it is "
-            f"called: the trainer calls it as {fn_name}({shown}) ({e}). Give the {what} the "
-            f"parameters ({shown}); any others need default values."
+            f"{field}: {name!r} takes {_plain_signature(sig)}, which does not match {what}: "
+            f"the trainer calls it as {fn_name}({shown}) ({e}). Give it the parameters "
+            f"({shown}); any others need default values."
         ) from None
     return obj
 
