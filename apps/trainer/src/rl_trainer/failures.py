@@ -15,6 +15,7 @@ report such as::
 
 from __future__ import annotations
 
+import logging
 import sys
 import sysconfig
 import traceback
@@ -23,14 +24,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from rl_buffer.sampler import SamplingExhaustedError
 from rl_core.errors import GenerationError, RewardError, RLError
 
 __all__ = [
     "Failure",
+    "FailureLog",
     "FailureReasons",
     "check_round",
     "describe_failures",
     "error_class",
+    "exhausted_error",
     "fix_hint",
     "user_frame",
 ]
@@ -130,8 +134,8 @@ class Failure:
         return cls(reason=reason, component=component, error=text, where=where, sample=sample)
 
     def describe(self) -> str:
-        """One sentence: component, error, location and sample."""
-        out = f"from {self.component}: {self.error}"
+        """``<component>: <error> at <file:line ...> (first on sample <id>)``."""
+        out = f"{self.component}: {self.error}"
         if self.where:
             out += f" at {self.where}"
         if self.defined_at:
@@ -148,7 +152,7 @@ def describe_failures(failed: Mapping[str, int], first: Mapping[str, Failure]) -
     for reason, n in Counter(failed).most_common():
         cause = first.get(reason)
         text = f"{n} {reason}"
-        parts.append(f"{text} {cause.describe()}" if cause is not None else text)
+        parts.append(f"{text} from {cause.describe()}" if cause is not None else text)
     return "; ".join(parts)
 
 
@@ -201,4 +205,97 @@ def check_round(
     raise error_class(failed)(
         f"{where}: {n_failed} of {rollouts} rollouts failed, so the run stops (none could be "
         f"used). {describe_failures(failed, first)}. {fix_hint(failed)}"
+    )
+
+
+class FailureLog:
+    """Logs each failure reason the first time it happens in a run, with its first cause; later
+    failures of that reason are only counted (``rollout/failed/<reason>``)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.logged: set[str] = set()
+        """Reasons already logged."""
+
+    def log(
+        self, where: str, rollouts: int, failed: Mapping[str, int], first: Mapping[str, Failure]
+    ) -> None:
+        """Warn about the reasons of ``failed`` not logged before (``where``: step and round)."""
+        new = {r: n for r, n in failed.items() if r not in self.logged}
+        if not new:
+            return
+        self.logged.update(new)
+        self.logger.warning(
+            "%s: %d of %d rollouts failed: %s. Counted in rollout/failed/<reason>; each reason "
+            "is logged once.",
+            where,
+            sum(failed.values()),
+            rollouts,
+            describe_failures(new, first),
+        )
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def exhausted_error(
+    *,
+    rounds: int,
+    kept: int,
+    wanted: int,
+    n_samples: int,
+    step_counts: Mapping[str, int],
+    rollouts: int,
+    failed: Mapping[str, int],
+    first: Mapping[str, Failure],
+    unusable: int,
+) -> RLError:
+    """The error when ``rollout.max_rounds`` rounds kept only ``kept`` of ``wanted`` groups.
+
+    It names what lost the groups, the larger cause first: the filters, with their drop reasons
+    (``step_counts``: the sampler's counts of the step), and failing code, with the first cause
+    of each reason (``failed``/``first`` of ``rollouts``). ``unusable`` groups had no trainable
+    rollout left. A :class:`RewardError` when a failing reward lost most, a
+    :class:`~rl_buffer.sampler.SamplingExhaustedError` when the filters did.
+    """
+    drops = {
+        k.removeprefix("drop_"): n
+        for k, n in step_counts.items()
+        if k.startswith("drop_") and k != f"drop_{FailureReasons.FILTER_ERROR}"
+    }
+    n_failed = sum(failed.values())
+    parts: list[tuple[int, str]] = []  # (rollouts lost, explanation)
+    if drops:
+        n = sum(drops.values())
+        listed = ", ".join(f"{k}: {v}" for k, v in sorted(drops.items()))
+        parts.append(
+            (
+                n * n_samples,
+                f"the filters dropped {n} of the {step_counts.get('seen', 0)} groups they saw "
+                f"({listed}); relax them, or raise rollout.max_rounds or "
+                "rollout.over_sampling_factor",
+            )
+        )
+    if n_failed:
+        hint = fix_hint(failed).rstrip(".")
+        parts.append(
+            (
+                n_failed,
+                f"{n_failed} of {rollouts} rollouts failed ({describe_failures(failed, first)}); "
+                f"{hint[:1].lower()}{hint[1:]}",
+            )
+        )
+    if not parts and unusable:
+        parts.append((unusable, f"{_plural(unusable, 'group')} had no trainable rollout left"))
+    parts.sort(key=lambda p: -p[0])
+    why = ". ".join(text[:1].upper() + text[1:] for _, text in parts) or "Nothing was dropped"
+    cls: type[RLError] = RLError
+    if n_failed and parts[0][0] == n_failed:
+        cls = error_class(failed)
+    elif drops:
+        cls = SamplingExhaustedError
+    return cls(
+        f"rollout.max_rounds: {_plural(rounds, 'generation round')} kept only {kept} of "
+        f"{wanted} groups. {why}."
     )

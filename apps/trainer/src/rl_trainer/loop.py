@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from rl_buffer.balance import schedule_step
-from rl_buffer.sampler import DynamicSampler, SamplingExhaustedError
+from rl_buffer.sampler import DynamicSampler
 from rl_core import registry
 from rl_core.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -69,7 +69,7 @@ from rl_trainer.checkpoint import (
 )
 from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import build_eval_sets
-from rl_trainer.failures import FailureReasons, describe_failures, error_class, fix_hint
+from rl_trainer.failures import FailureLog, exhausted_error
 from rl_trainer.metrics import MetricsLogger
 from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.rollout import (
@@ -243,8 +243,7 @@ class Trainer:
             fn = registry.build("filter", spec, field=where)
             registry.check_callable(fn, GroupFilter, field=where, ref=spec.type)
             self.filters.append(GuardedFilter(fn, _component_name(where, spec)))
-        self._logged_failures: set[str] = set()
-        """Failure reasons already logged this run (each is logged once, with its first cause)."""
+        self._failure_log = FailureLog(logger)
         self.sampler = DynamicSampler(
             DynamicSampler.Config(
                 batch_size=cfg.rollout.prompts_per_step,
@@ -609,7 +608,9 @@ class Trainer:
             round_ += 1
             where = f"step {step}, round {round_}"
             round_stats.check(where)
-            self._log_failures(round_stats, where)
+            self._failure_log.log(
+                where, round_stats.rollouts, round_stats.failed, round_stats.first
+            )
             stats.merge(round_stats)
             if round_ >= cfg.max_rounds and not self.sampler.full:
                 raise self._exhausted(round_, stats)
@@ -621,65 +622,19 @@ class Trainer:
             record["rollout/partial_resumed_tokens"] = partial.resumed_tokens
         return record
 
-    def _log_failures(self, stats: RolloutStats, where: str) -> None:
-        """Log each failure reason the first time it happens in this run, with its first cause
-        (later ones are only counted in ``rollout/failed/<reason>``)."""
-        new = {r: n for r, n in stats.failed.items() if r not in self._logged_failures}
-        if not new:
-            return
-        self._logged_failures.update(new)
-        logger.warning(
-            "%s: %d of %d rollouts failed: %s. Counted in rollout/failed/<reason>; each reason is "
-            "logged once.",
-            where,
-            sum(stats.failed.values()),
-            stats.rollouts,
-            describe_failures(new, stats.first),
-        )
-
     def _exhausted(self, rounds: int, stats: RolloutStats) -> RLError:
-        """The error when ``rollout.max_rounds`` rounds did not fill the step. It names what lost
-        the groups, larger cause first: failing user code (with its first cause) and the filters
-        (with their drop reasons)."""
-        cfg = self.config.rollout
-        counts = self.sampler.step_counts
-        drops = {
-            k.removeprefix("drop_"): n
-            for k, n in counts.items()
-            if k.startswith("drop_") and k != f"drop_{FailureReasons.FILTER_ERROR}"
-        }
-        n_failed = sum(stats.failed.values())
-        parts: list[tuple[int, str]] = []
-        if drops:
-            n = sum(drops.values())
-            parts.append(
-                (
-                    n * cfg.n_samples,
-                    f"the filters dropped {n} of the {counts.get('seen', 0)} groups they saw "
-                    f"({', '.join(f'{k}: {v}' for k, v in sorted(drops.items()))}); relax them, "
-                    "or raise rollout.max_rounds or rollout.over_sampling_factor",
-                )
-            )
-        if n_failed:
-            parts.append(
-                (
-                    n_failed,
-                    f"{n_failed} of {stats.rollouts} rollouts failed "
-                    f"({describe_failures(stats.failed, stats.first)}); "
-                    f"{fix_hint(stats.failed).rstrip('.').lower()}",
-                )
-            )
-        unusable = stats.dropped.get("no_valid_rollout", 0)
-        if not parts and unusable:
-            parts.append((unusable, f"{unusable} groups had no trainable rollout left"))
-        parts.sort(key=lambda p: -p[0])
-        why = ". ".join(text[0].upper() + text[1:] for _, text in parts) or "Nothing was dropped"
-        cls = error_class(stats.failed) if n_failed and parts[0][0] == n_failed else RLError
-        if cls is RLError and drops:
-            cls = SamplingExhaustedError
-        return cls(
-            f"rollout.max_rounds: {rounds} generation rounds kept only {self.sampler.num_kept} "
-            f"of {cfg.prompts_per_step} groups. {why}."
+        """The error when ``rollout.max_rounds`` rounds did not fill the step (see
+        :func:`rl_trainer.failures.exhausted_error`)."""
+        return exhausted_error(
+            rounds=rounds,
+            kept=self.sampler.num_kept,
+            wanted=self.config.rollout.prompts_per_step,
+            n_samples=self.config.rollout.n_samples,
+            step_counts=self.sampler.step_counts,
+            rollouts=stats.rollouts,
+            failed=stats.failed,
+            first=stats.first,
+            unusable=stats.dropped.get("no_valid_rollout", 0),
         )
 
     def _round_metrics(
@@ -900,7 +855,7 @@ class Trainer:
             await eval_set.scorer.score(groups, stats)
             where = f"eval at step {step}" + (f", set {eval_set.name!r}" if eval_set.name else "")
             stats.check(where)
-            self._log_failures(stats, where)
+            self._failure_log.log(where, stats.rollouts, stats.failed, stats.first)
             out.update(eval_set.metrics(groups))
         return out
 

@@ -158,7 +158,7 @@ async def generate_groups(
             )
             failure = _failure(reason, generate_fn_name, e, p.uid, generate_fn)
             if stats is None:
-                raise RLError(f"{generate_fn_name}: {failure.describe()}.") from e
+                raise RLError(f"{failure.describe()}.") from e
             stats.rollouts += n_samples
             stats.record(reason, n_samples, failure)
             return Group(prompt=p, rollouts=[])
