@@ -457,7 +457,9 @@ class Scorer:
         group = error_reason.startswith("group_")
         name = self.group_reward_name if group else self.reward_name
         fn = self.group_reward_fn if group else self.reward_fn
-        reason = error_reason.replace("_error", "_invalid") if _invalid(e) else error_reason
+        # A RewardError (ours, or raised by a library reward such as `combine`) is a bad value.
+        invalid = isinstance(e, RewardError)
+        reason = error_reason.replace("_error", "_invalid") if invalid else error_reason
         failure = _failure(reason, name, e, rs[0].sample_id, fn)
         for r in rs:
             r.status = RolloutStatus.FAILED
@@ -521,10 +523,6 @@ def _generation_failure(r: Rollout) -> tuple[str, int, Failure]:
         sample=r.sample_id,
     )
     return reason, 1, failure
-
-
-def _invalid(e: BaseException) -> bool:
-    return isinstance(e, _InvalidResult)
 
 
 class GuardedFilter:
