@@ -28,6 +28,8 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
+    "EvalDatasetConfig",
+    "EvalSamplingConfig",
     "LoggingConfig",
     "ModelConfig",
     "RLConfig",
@@ -187,6 +189,43 @@ class RLConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalSamplingConfig:
+    """Eval sampling: every field left unset follows training (``rollout.sampling``), except
+    ``temperature``, which is greedy (0) unless set. In an ``eval.datasets[]`` entry, unset
+    fields follow ``eval.sampling`` first."""
+
+    temperature: float | None = None
+    """Softmax temperature; default 0 (greedy: each prompt's most likely answer). Set it above
+    0 to evaluate the sampled policy, as ``n_samples`` > 1 and pass@k with k > 1 need."""
+    top_p: float | None = None
+    """Nucleus mass; default ``rollout.sampling.top_p``."""
+    top_k: int | None = None
+    """Top-k cut (0 disables it); default ``rollout.sampling.top_k``."""
+    max_new_tokens: int | None = None
+    """Response length limit; default ``rollout.sampling.max_new_tokens``, so eval answers are
+    cut where training answers are."""
+    stop_token_ids: list[int] | None = None
+    """Extra stop tokens besides the tokenizer's EOS; default
+    ``rollout.sampling.stop_token_ids``."""
+
+    def resolve(self, train: SamplingConfig, *fallbacks: EvalSamplingConfig) -> SamplingConfig:
+        """The sampling this sets: each field from ``self``, else the first of ``fallbacks``
+        that sets it, else greedy for ``temperature`` and ``train``'s value for the rest."""
+        layers = (self, *fallbacks)
+
+        def pick(name: str, default: Any) -> Any:
+            return next((v for v in (getattr(x, name) for x in layers) if v is not None), default)
+
+        return SamplingConfig(
+            temperature=pick("temperature", 0.0),
+            top_p=pick("top_p", train.top_p),
+            top_k=pick("top_k", train.top_k),
+            max_new_tokens=pick("max_new_tokens", train.max_new_tokens),
+            stop_token_ids=list(pick("stop_token_ids", train.stop_token_ids)),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class EvalDatasetConfig:
     """One extra evaluation dataset with its own reward, sampling and schedule."""
 
@@ -200,8 +239,9 @@ class EvalDatasetConfig:
     """Evaluate on at most this many prompts."""
     n_samples: int | None = None
     """Samples per prompt; default ``eval.n_samples``."""
-    sampling: SamplingConfig | None = None
-    """Sampling for this dataset; default ``eval.sampling``."""
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    """Sampling for this dataset; each unset field follows ``eval.sampling``, then
+    ``rollout.sampling`` (temperature: greedy)."""
     pass_k: list[int] | None = None
     """pass@k values to report; default ``eval.pass_k``. Each k must be <= n_samples."""
     correct_threshold: float | None = None
@@ -221,9 +261,11 @@ class EvalConfig:
     max_prompts: int | None = None
     """Evaluate on at most this many held-out prompts."""
     n_samples: int = 1
-    """Samples per eval prompt."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
-    """Eval sampling (greedy by default)."""
+    """Samples per eval prompt; above 1 needs ``sampling.temperature`` > 0 (greedy samples
+    are all the same answer)."""
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    """Eval sampling: greedy by default, with the response length and stop tokens of
+    ``rollout.sampling`` unless set here."""
     pass_k: list[int] = field(default_factory=list)
     """pass@k values to report (unbiased estimator over ``n_samples`` per prompt), e.g. [1, 8]."""
     correct_threshold: float = 1.0
@@ -423,9 +465,12 @@ def load_trainer_config(
 
 
 def _check_eval(ev: EvalConfig) -> None:
-    """Validate the eval section: pass@k within n_samples, unique dataset names."""
+    """Validate the eval section: pass@k within n_samples, no repeated samples under greedy
+    decoding, unique dataset names."""
     seen: set[str] = set()
-    sets: list[tuple[str, int, list[int]]] = [("eval", ev.n_samples, ev.pass_k)]
+    sets: list[tuple[str, int, list[int], float | None]] = [
+        ("eval", ev.n_samples, ev.pass_k, ev.sampling.temperature)
+    ]
     for i, ds in enumerate(ev.datasets):
         where = f"eval.datasets[{i}]"
         if not ds.name or "/" in ds.name or ds.name in seen or ds.name == "eval":
@@ -435,12 +480,25 @@ def _check_eval(ev: EvalConfig) -> None:
         seen.add(ds.name)
         n = ds.n_samples if ds.n_samples is not None else ev.n_samples
         ks = ds.pass_k if ds.pass_k is not None else ev.pass_k
-        sets.append((where, n, ks))
-    for where, n, ks in sets:
+        temperature = ds.sampling.temperature
+        if temperature is None:
+            temperature = ev.sampling.temperature
+        sets.append((where, n, ks, temperature))
+    for where, n, ks, temperature in sets:
         if n < 1:
             raise ConfigError(f"{where}.n_samples: must be >= 1, got {n}.")
         bad = [k for k in ks if not 1 <= k <= n]
         if bad:
             raise ConfigError(
                 f"{where}.pass_k: {bad} outside 1..n_samples ({n}); raise n_samples or drop them."
+            )
+        if n > 1 and not temperature:
+            why = "the eval default" if temperature is None else "set to 0"
+            raise ConfigError(
+                f"{where}.n_samples: {n} samples per prompt under greedy decoding "
+                f"({where}.sampling.temperature is {why}) are {n} copies of one answer, so "
+                f"pass@k for k > 1 would equal pass@1 and the extra samples cost time for "
+                f"nothing. Set {where}.sampling.temperature above 0 (e.g. the training "
+                f"temperature) to evaluate the sampled policy, or set {where}.n_samples: 1 "
+                "(and pass_k: [1])."
             )

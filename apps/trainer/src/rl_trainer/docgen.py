@@ -16,7 +16,7 @@ from typing import Any
 
 from rl_trainer import config as config_module
 
-__all__ = ["field_docs", "render"]
+__all__ = ["class_summary", "field_docs", "render"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -34,6 +34,13 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[prev.target.id] = " ".join(node.value.value.split())
     return docs
+
+
+def class_summary(cls: type) -> str:
+    """The first paragraph of ``cls``'s docstring on one line (a summary may wrap over several
+    source lines; only a blank line ends it)."""
+    doc = inspect.getdoc(cls) or ""
+    return " ".join(doc.split("\n\n", 1)[0].split())
 
 
 def _type_str(tp: Any) -> str:
@@ -88,7 +95,7 @@ def render() -> str:
         hints = typing.get_type_hints(cls)
         docs = field_docs(cls)
         title = prefix or "(root)"
-        out.extend([f"## `{title}`", "", (inspect.getdoc(cls) or "").split("\n")[0], ""])
+        out.extend([f"## `{title}`", "", class_summary(cls), ""])
         out.extend(["| field | type | default | meaning |", "|---|---|---|---|"])
         nested = []
         for f in dataclasses.fields(cls):

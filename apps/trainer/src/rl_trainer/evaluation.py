@@ -5,6 +5,11 @@ under ``eval/`` (``eval/reward_mean``, ``eval/accuracy``, ``eval/pass@k``, one
 ``eval/<component>_mean`` per reward component). Each entry of ``eval.datasets`` is another set
 with its own prompts, reward, sampling, samples per prompt, pass@k and schedule, reporting
 under ``eval/<name>/``.
+
+Eval samples like training except for the temperature: each sampling field a set leaves unset
+comes from ``eval.sampling``, then from ``rollout.sampling`` (``max_new_tokens``,
+``stop_token_ids``, ``top_p``, ``top_k``), so eval answers are cut where training answers are;
+the temperature is greedy (0) unless set.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from rl_core import registry
 from rl_core.evaluation import summarize_eval
 from rl_core.interfaces import DataSource, RewardFn, Tokenizer
 from rl_core.types import Group, Prompt, SamplingParams
-from rl_trainer.config import EvalConfig
+from rl_trainer.config import EvalConfig, SamplingConfig
 from rl_trainer.rollout import Scorer
 
 __all__ = ["EvalSet", "build_eval_sets"]
@@ -58,10 +63,11 @@ class EvalSet:
     def metrics(self, groups: Sequence[Group]) -> dict[str, float]:
         """Reward mean, accuracy, pass@k and per-component means of scored groups.
 
-        Failed rollouts score 0 and count as incorrect.
+        Failed rollouts score 0 and count as incorrect; a prompt whose ``generate_fn`` failed
+        (no rollouts) counts as ``n_samples`` failed samples.
         """
         summary = summarize_eval(
-            [[r.reward for r in g.rollouts] for g in groups],
+            [[r.reward for r in g.rollouts] or [None] * self.n_samples for g in groups],
             ks=self.pass_k,
             threshold=self.threshold,
         )
@@ -84,17 +90,24 @@ def build_eval_sets(
     default_source: DataSource | None,
     default_reward: RewardFn,
     tokenizer: Tokenizer,
+    train_sampling: SamplingConfig | None = None,
+    default_reward_name: str = "reward",
 ) -> list[EvalSet]:
     """Resolve the eval section: the default held-out set (when there is a source) and every
-    ``cfg.datasets`` entry, building their data sources and rewards through the registry."""
+    ``cfg.datasets`` entry, building their data sources and rewards through the registry.
+
+    Sampling fields a set leaves unset follow ``train_sampling`` (``rollout.sampling``; its
+    defaults when ``None``), the temperature excepted (greedy unless set).
+    """
+    train = train_sampling if train_sampling is not None else SamplingConfig()
     sets: list[EvalSet] = []
     if default_source is not None:
         sets.append(
             EvalSet(
                 name=None,
                 prompts=_take_prompts(default_source, cfg.max_prompts),
-                scorer=Scorer(default_reward, tokenizer),
-                sampling=cfg.sampling.to_params(),
+                scorer=Scorer(default_reward, tokenizer, reward_name=default_reward_name),
+                sampling=cfg.sampling.resolve(train).to_params(),
                 n_samples=cfg.n_samples,
                 pass_k=list(cfg.pass_k),
                 threshold=cfg.correct_threshold,
@@ -104,16 +117,17 @@ def build_eval_sets(
     for i, ds in enumerate(cfg.datasets):
         where = f"eval.datasets[{i}]"
         source = registry.build("data_source", ds.data, field=f"{where}.data", tokenizer=tokenizer)
-        reward = default_reward
+        reward, reward_name = default_reward, default_reward_name
         if ds.reward is not None:
             reward = registry.build("reward", ds.reward, field=f"{where}.reward")
-            registry.check_callable(reward, object, field=f"{where}.reward", n_args=3)
+            registry.check_callable(reward, RewardFn, field=f"{where}.reward", ref=ds.reward.type)
+            reward_name = f"{where}.reward (type {ds.reward.type!r})"
         sets.append(
             EvalSet(
                 name=ds.name,
                 prompts=_take_prompts(source, ds.max_prompts),
-                scorer=Scorer(reward, tokenizer),
-                sampling=(ds.sampling or cfg.sampling).to_params(),
+                scorer=Scorer(reward, tokenizer, reward_name=reward_name),
+                sampling=ds.sampling.resolve(train, cfg.sampling).to_params(),
                 n_samples=ds.n_samples if ds.n_samples is not None else cfg.n_samples,
                 pass_k=list(ds.pass_k if ds.pass_k is not None else cfg.pass_k),
                 threshold=(

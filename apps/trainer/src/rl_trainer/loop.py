@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import random
 import shutil
 import socket
@@ -57,6 +58,7 @@ from rl_core.algorithms import (
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.config import ComponentSpec, from_dict, to_dict
 from rl_core.errors import ConfigError, RLError
+from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer.checkpoint import (
     capture_rng,
@@ -67,9 +69,11 @@ from rl_trainer.checkpoint import (
 )
 from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import build_eval_sets
+from rl_trainer.failures import FailureLog, exhausted_error
 from rl_trainer.metrics import MetricsLogger
 from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.rollout import (
+    GuardedFilter,
     PartialStats,
     RolloutStats,
     Scorer,
@@ -80,6 +84,8 @@ from rl_trainer.rollout import (
 
 __all__ = ["Trainer"]
 
+logger = logging.getLogger(__name__)
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -89,6 +95,11 @@ def _free_port() -> int:
 
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def _component_name(field: str, spec: ComponentSpec | None) -> str:
+    """How failure reports name a component: its config field and type."""
+    return f"{field} (type {spec.type!r})" if spec is not None else field
 
 
 class Trainer:
@@ -194,25 +205,45 @@ class Trainer:
         )
         if cfg.reward is not None:
             reward_fn = registry.build("reward", cfg.reward, field="reward")
+            reward_field, reward_spec = "reward", cfg.reward
         elif task is not None:
             reward_fn = task
+            reward_field, reward_spec = "task", cfg.task
         else:
             raise ConfigError(
                 "reward: set a reward function (e.g. reward: {type: 'my_pkg.rewards:score'})."
             )
-        registry.check_callable(reward_fn, object, field="reward", n_args=3)
+        # Signatures are checked now; a mismatch says how the trainer calls the component.
+        registry.check_callable(reward_fn, RewardFn, field=reward_field, ref=reward_spec.type)
+        reward_name = _component_name(reward_field, reward_spec)
         group_reward_fn = None
         if cfg.group_reward is not None:
             group_reward_fn = registry.build("reward", cfg.group_reward, field="group_reward")
-            registry.check_callable(group_reward_fn, object, field="group_reward", n_args=3)
-        self.scorer = Scorer(reward_fn, self.tokenizer, group_reward_fn=group_reward_fn)
-        self.eval_sets = build_eval_sets(
-            cfg.eval, default_source=eval_data, default_reward=reward_fn, tokenizer=self.tokenizer
+            registry.check_callable(
+                group_reward_fn, GroupRewardFn, field="group_reward", ref=cfg.group_reward.type
+            )
+        self.scorer = Scorer(
+            reward_fn,
+            self.tokenizer,
+            group_reward_fn=group_reward_fn,
+            reward_name=reward_name,
+            group_reward_name=_component_name("group_reward", cfg.group_reward),
         )
-        self.filters = [
-            registry.build("filter", f, field=f"rollout.filters[{i}]")
-            for i, f in enumerate(cfg.rollout.filters)
-        ]
+        self.eval_sets = build_eval_sets(
+            cfg.eval,
+            default_source=eval_data,
+            default_reward=reward_fn,
+            default_reward_name=reward_name,
+            train_sampling=cfg.rollout.sampling,
+            tokenizer=self.tokenizer,
+        )
+        self.filters: list[GuardedFilter] = []
+        for i, spec in enumerate(cfg.rollout.filters):
+            where = f"rollout.filters[{i}]"
+            fn = registry.build("filter", spec, field=where)
+            registry.check_callable(fn, GroupFilter, field=where, ref=spec.type)
+            self.filters.append(GuardedFilter(fn, _component_name(where, spec)))
+        self._failure_log = FailureLog(logger)
         self.sampler = DynamicSampler(
             DynamicSampler.Config(
                 batch_size=cfg.rollout.prompts_per_step,
@@ -227,7 +258,12 @@ class Trainer:
             else None
         )
         if self.generate_fn is not None:
-            registry.check_callable(self.generate_fn, object, field="rollout.generate_fn", n_args=2)
+            registry.check_callable(
+                self.generate_fn,
+                GenerateFn,
+                field="rollout.generate_fn",
+                ref=cfg.rollout.generate_fn.type,
+            )
         if cfg.rl.partial_rollouts and not getattr(self.buffer, "supports_partial", False):
             raise ConfigError(
                 f"rl.partial_rollouts: buffer type {cfg.buffer.type!r} has no partial store "
@@ -526,7 +562,11 @@ class Trainer:
     async def _produce(self, step: int) -> dict[str, Any]:
         """One rollout round: generate and score until the dynamic sampler holds
         ``prompts_per_step`` kept groups fresh enough for step ``step`` (surplus kept groups carry
-        over to the next round), put them into the buffer, and return the round's metrics."""
+        over to the next round), put them into the buffer, and return the round's metrics.
+
+        User code that fails (reward, group reward, ``generate_fn``, filters) is counted in
+        ``rollout/failed/<reason>`` and logged once per reason with its first cause; when every
+        rollout of a round failed, the run stops at once with that report."""
         cfg = self.config.rollout
         stats = RolloutStats()
         scored: list[Rollout] = []
@@ -540,6 +580,7 @@ class Trainer:
             prompts = self.train_data.next_prompts(self.sampler.request_size())
             t0 = time.perf_counter()
             seed_parts = (self.config.seed, "rl", step, round_)
+            round_stats = RolloutStats()
             if partial is not None and self.pipeline is not None:
                 groups = await generate_groups_resumable(
                     prompts,
@@ -551,23 +592,28 @@ class Trainer:
                     updates=self.pipeline,
                     stats=partial,
                 )
+                round_stats.rollouts += sum(len(g.rollouts) for g in groups)
             else:
                 groups = await self._generate(
-                    prompts, cfg.sampling.to_params(), cfg.n_samples, seed_parts
+                    prompts, cfg.sampling.to_params(), cfg.n_samples, seed_parts, round_stats
                 )
             gen_time += time.perf_counter() - t0
             gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
-            await self.scorer.score(groups, stats)
+            await self.scorer.score(groups, round_stats)
             scored.extend(r for g in groups for r in g.rollouts)
             # Failed rollouts leave their group (groups may be uneven); the filters see the rest.
-            self.sampler.add(filter_groups(groups, (), stats))
+            for f in self.filters:
+                f.stats = round_stats
+            self.sampler.add(filter_groups(groups, (), round_stats))
             round_ += 1
+            where = f"step {step}, round {round_}"
+            round_stats.check(where)
+            self._failure_log.log(
+                where, round_stats.rollouts, round_stats.failed, round_stats.first
+            )
+            stats.merge(round_stats)
             if round_ >= cfg.max_rounds and not self.sampler.full:
-                raise RLError(
-                    f"rollout.max_rounds: {round_} generation rounds kept only "
-                    f"{len(self.sampler)} of {cfg.prompts_per_step} groups; the filters drop "
-                    "almost everything (see rollout/dropped/*). Relax them or raise max_rounds."
-                )
+                raise self._exhausted(round_, stats)
         self.buffer.put(self.sampler.pop_batch())
         record = self._round_metrics(scored, stats, stale, gen_tokens, gen_time)
         if partial is not None:
@@ -575,6 +621,21 @@ class Trainer:
             record["rollout/partial_resumed"] = partial.resumed
             record["rollout/partial_resumed_tokens"] = partial.resumed_tokens
         return record
+
+    def _exhausted(self, rounds: int, stats: RolloutStats) -> RLError:
+        """The error when ``rollout.max_rounds`` rounds did not fill the step (see
+        :func:`rl_trainer.failures.exhausted_error`)."""
+        return exhausted_error(
+            rounds=rounds,
+            kept=self.sampler.num_kept,
+            wanted=self.config.rollout.prompts_per_step,
+            n_samples=self.config.rollout.n_samples,
+            step_counts=self.sampler.step_counts,
+            rollouts=stats.rollouts,
+            failed=stats.failed,
+            first=stats.first,
+            unusable=stats.dropped.get("no_valid_rollout", 0),
+        )
 
     def _round_metrics(
         self,
@@ -752,8 +813,10 @@ class Trainer:
         sampling: SamplingParams,
         n_samples: int,
         seed_parts: tuple[Any, ...],
+        stats: RolloutStats,
     ) -> list[Group]:
-        """Sample ``n_samples`` rollouts per prompt on the current generator."""
+        """Sample ``n_samples`` rollouts per prompt on the current generator; ``generate_fn``
+        failures are counted in ``stats``."""
         return await generate_groups(
             prompts,
             generator=self.generator,
@@ -763,6 +826,10 @@ class Trainer:
             seed_parts=seed_parts,
             policy_version=self.policy.version,
             generate_fn=self.generate_fn,
+            stats=stats,
+            generate_fn_name=_component_name(
+                "rollout.generate_fn", self.config.rollout.generate_fn
+            ),
         )
 
     def _eval_due(self, step: int) -> bool:
@@ -770,7 +837,10 @@ class Trainer:
         return any(s.due(step, self.config.rl.steps) for s in self.eval_sets)
 
     async def evaluate(self, step: int) -> dict[str, float]:
-        """Sample and score every eval set due at ``step``; the same prompts every time."""
+        """Sample and score every eval set due at ``step``; the same prompts every time.
+
+        Failed samples score 0. An eval set whose every sample failed stops the run with the
+        failure report (at step 0 this is the first time the reward runs)."""
         out: dict[str, float] = {}
         for eval_set in self.eval_sets:
             if not eval_set.prompts or not eval_set.due(step, self.config.rl.steps):
@@ -778,10 +848,14 @@ class Trainer:
             seed_parts: tuple[Any, ...] = (self.config.seed, "eval", step)
             if eval_set.name is not None:
                 seed_parts = (self.config.seed, "eval", eval_set.name, step)
+            stats = RolloutStats()
             groups = await self._generate(
-                eval_set.prompts, eval_set.sampling, eval_set.n_samples, seed_parts
+                eval_set.prompts, eval_set.sampling, eval_set.n_samples, seed_parts, stats
             )
-            await eval_set.scorer.score(groups, RolloutStats())
+            await eval_set.scorer.score(groups, stats)
+            where = f"eval at step {step}" + (f", set {eval_set.name!r}" if eval_set.name else "")
+            stats.check(where)
+            self._failure_log.log(where, stats.rollouts, stats.failed, stats.first)
             out.update(eval_set.metrics(groups))
         return out
 

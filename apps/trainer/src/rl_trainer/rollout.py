@@ -1,5 +1,9 @@
 """Turning prompts into scored groups: default single-turn sampling, custom ``GenerateFn``s,
-reward scoring with failure accounting, group rewards, and group filters."""
+reward scoring with failure accounting, group rewards, and group filters.
+
+User code (rewards, ``generate_fn``, filters) never crashes a round: what it breaks is marked
+failed, counted in :class:`RolloutStats` and its first cause kept (:mod:`rl_trainer.failures`).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rl_buffer.partial import continue_rollout, resume_request
-from rl_core.errors import RewardError
+from rl_core.errors import RewardError, RLError
 from rl_core.interfaces import (
     Buffer,
     GenerateFn,
@@ -35,8 +39,10 @@ from rl_core.types import (
     RolloutStatus,
     SamplingParams,
 )
+from rl_trainer.failures import Failure, FailureReasons, check_round
 
 __all__ = [
+    "GuardedFilter",
     "PartialStats",
     "RolloutStats",
     "Scorer",
@@ -105,14 +111,23 @@ async def generate_groups(
     seed_parts: tuple[Any, ...],
     policy_version: int,
     generate_fn: GenerateFn | None = None,
+    stats: RolloutStats | None = None,
+    generate_fn_name: str = "rollout.generate_fn",
 ) -> list[Group]:
     """Sample ``n_samples`` rollouts per prompt.
 
     The default path sends every request of the step to the generator in one call, so the engine
-    batches them; a custom ``generate_fn`` is called once per prompt, concurrently.
+    batches them; a custom ``generate_fn`` is called once per prompt, concurrently. A
+    ``generate_fn`` that raises or returns something other than a list of ``Rollout`` gives its
+    prompt an empty group and counts ``n_samples`` failed rollouts in ``stats`` (its first cause
+    kept, reported under ``generate_fn_name``); without ``stats`` it raises an
+    :class:`~rl_core.errors.RLError` with that cause instead. ``stats.rollouts`` counts the
+    rollouts asked for.
     """
     if generate_fn is None:
         requests = sample_requests(prompts, sampling, n_samples, seed_parts)
+        if stats is not None:
+            stats.rollouts += len(requests)
         results = await generator.generate(requests)
         groups = []
         for i, p in enumerate(prompts):
@@ -130,10 +145,79 @@ async def generate_groups(
             n_samples=n_samples,
             policy_version=policy_version,
         )
-        rollouts = await generate_fn(p, ctx)
-        return Group(prompt=p, rollouts=list(rollouts))
+        try:
+            out = generate_fn(p, ctx)
+            if inspect.isawaitable(out):
+                out = await out
+            rollouts = _check_rollouts(out)
+        except Exception as e:  # user code must never crash the round
+            reason = (
+                FailureReasons.ROLLOUT_FN_INVALID
+                if isinstance(e, _InvalidResult)
+                else FailureReasons.ROLLOUT_FN_ERROR
+            )
+            failure = _failure(reason, generate_fn_name, e, p.uid, generate_fn)
+            if stats is None:
+                raise RLError(f"{failure.describe()}.") from e
+            stats.rollouts += n_samples
+            stats.record(reason, n_samples, failure)
+            return Group(prompt=p, rollouts=[])
+        if stats is not None:
+            stats.rollouts += len(rollouts)
+        return Group(prompt=p, rollouts=rollouts)
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+class _InvalidResult(RewardError):
+    """User code returned a value of the wrong kind (the message says what and what is expected)."""
+
+
+def _check_rollouts(out: Any) -> list[Rollout]:
+    """``out`` as a list of rollouts, or :class:`_InvalidResult` saying what it was."""
+    if isinstance(out, Rollout) or not isinstance(out, Sequence) or isinstance(out, str):
+        raise _InvalidResult(
+            f"returned {type(out).__name__} {_short(out)}; a GenerateFn returns a list of Rollout"
+        )
+    bad = [x for x in out if not isinstance(x, Rollout)]
+    if bad:
+        raise _InvalidResult(
+            f"returned a list holding {type(bad[0]).__name__} {_short(bad[0])}; a GenerateFn "
+            "returns a list of Rollout"
+        )
+    return list(out)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _failure(reason: str, component: str, e: Exception, sample: str, fn: Any) -> Failure:
+    """The cause of a failure of user code ``fn``: at the user's frame when it raised; where
+    ``fn`` is defined when it returned a wrong value (the traceback is then ours)."""
+    if isinstance(e, _InvalidResult):
+        return Failure(
+            reason=reason,
+            component=component,
+            error=str(e),
+            sample=sample,
+            defined_at=defined_at(fn),
+        )
+    return Failure.from_exception(reason, component, e, sample=sample)
+
+
+def defined_at(fn: Any) -> str:
+    """``<name> is defined at file:line`` for ``fn`` (or its class, for a callable object), or
+    ``""`` when unknown: where to look when it returned a wrong value."""
+    target = fn if inspect.isroutine(fn) else type(fn)
+    try:
+        target = inspect.unwrap(target)
+        file = inspect.getsourcefile(target)
+        _, line = inspect.getsourcelines(target)
+    except (TypeError, OSError):
+        return ""
+    return f"{getattr(target, '__qualname__', target)} is defined at {file}:{line}"
 
 
 class WeightUpdates(Protocol):
@@ -264,11 +348,39 @@ class RolloutStats:
     """Failure reason -> rollouts marked failed."""
     dropped: Counter = field(default_factory=Counter)
     """Drop reason -> groups dropped."""
+    rollouts: int = 0
+    """Rollouts asked for (a failed ``generate_fn`` call counts its ``n_samples``)."""
+    first: dict[str, Failure] = field(default_factory=dict)
+    """Failure reason -> its first cause (component, exception, user file:line, sample)."""
+
+    def record(self, reason: str, n: int, failure: Failure | None = None) -> None:
+        """Count ``n`` rollouts failed for ``reason``; keep ``failure`` if it is the first."""
+        self.failed[reason] += n
+        if failure is not None:
+            self.first.setdefault(reason, failure)
+
+    def merge(self, other: RolloutStats) -> None:
+        """Add ``other``'s counts; keep the earlier first causes."""
+        self.failed.update(other.failed)
+        self.dropped.update(other.dropped)
+        self.rollouts += other.rollouts
+        for reason, failure in other.first.items():
+            self.first.setdefault(reason, failure)
+
+    def check(self, where: str) -> None:
+        """Raise the failure report when every rollout counted here failed
+        (:func:`rl_trainer.failures.check_round`)."""
+        check_round(where, self.rollouts, self.failed, self.first)
 
 
 class Scorer:
     """Applies a reward function to rollouts: decodes responses, awaits async rewards, and marks
-    a rollout failed (with a counted reason) when the reward raises or is not finite.
+    a rollout failed (with a counted reason and its first cause) when the reward raises or does
+    not return a finite number: ``None``, a string, NaN or inf are failures (``reward_invalid``),
+    never a silent 0.
+
+    ``reward_name`` and ``group_reward_name`` say how the config names each function (its field
+    and type), for failure reports.
 
     With a ``group_reward_fn`` (a :class:`~rl_core.interfaces.GroupRewardFn` such as
     :class:`~rl_core.rewards.group.MajorityVote`), each group is then scored as a whole over its
@@ -287,6 +399,8 @@ class Scorer:
         *,
         reward_key: str = "reward",
         group_reward_fn: GroupRewardFn | None = None,
+        reward_name: str = "reward",
+        group_reward_name: str = "group_reward",
     ) -> None:
         if reward_fn is None and group_reward_fn is None:
             raise RewardError("Scorer: give a reward function, a group reward function, or both.")
@@ -294,23 +408,25 @@ class Scorer:
         self.tokenizer = tokenizer
         self.reward_key = reward_key
         self.group_reward_fn = group_reward_fn
+        self.reward_name = reward_name
+        self.group_reward_name = group_reward_name
 
-    def _to_scalar(self, value: Any, rollout: Rollout) -> tuple[float, dict[str, float]]:
+    def _to_scalar(self, value: Any) -> tuple[float, dict[str, float]]:
+        """``(reward, components)`` of what a reward returned, or :class:`_InvalidResult`."""
+        expected = f"a reward returns a float or a mapping with a {self.reward_key!r} key"
         if isinstance(value, Mapping):
             if self.reward_key not in value:
-                raise RewardError(
-                    f"reward for {rollout.sample_id}: the mapping has no {self.reward_key!r} key "
-                    f"(keys: {sorted(value)}); return it or set the reward key."
+                raise _InvalidResult(
+                    f"returned a mapping without the {self.reward_key!r} key (keys: "
+                    f"{sorted(map(str, value))}); {expected}"
                 )
-            info = {str(k): float(v) for k, v in value.items()}
+            info = {str(k): _number(v, str(k), expected) for k, v in value.items()}
             scalar = info[self.reward_key]
         else:
-            scalar = float(value)
+            scalar = _number(value, None, expected)
             info = {self.reward_key: scalar}
         if not math.isfinite(scalar):
-            raise RewardError(
-                f"reward for {rollout.sample_id} is {scalar}; rewards must be finite."
-            )
+            raise _InvalidResult(f"returned {scalar}; rewards must be finite numbers")
         return scalar, info
 
     async def score(self, groups: Sequence[Group], stats: RolloutStats) -> None:
@@ -318,8 +434,8 @@ class Scorer:
         for g in groups:
             texts: dict[int, str] = {}
             for r in g.rollouts:
-                if r.status == RolloutStatus.FAILED:
-                    stats.failed[r.metadata.get("failure", "generation")] += 1
+                if r.status == RolloutStatus.FAILED:  # failed while generating
+                    stats.record(*_generation_failure(r))
                     continue
                 text = self.tokenizer.decode(list(r.response_ids), skip_special_tokens=True)
                 texts[id(r)] = text
@@ -329,18 +445,26 @@ class Scorer:
                     value = self.reward_fn(g.prompt, text, r)
                     if inspect.isawaitable(value):
                         value = await value
-                    r.reward, r.reward_info = self._to_scalar(value, r)
+                    r.reward, r.reward_info = self._to_scalar(value)
                 except Exception as e:  # a user reward must never crash the step
-                    reason = "reward_invalid" if isinstance(e, RewardError) else "reward_error"
-                    self._fail(r, reason, e, stats)
+                    self._fail([r], FailureReasons.REWARD_ERROR, e, stats)
             if self.group_reward_fn is not None:
                 await self._score_group(g, texts, stats)
 
-    @staticmethod
-    def _fail(r: Rollout, reason: str, e: Exception, stats: RolloutStats) -> None:
-        r.status = RolloutStatus.FAILED
-        r.metadata["failure"] = f"{reason}: {e!r}"
-        stats.failed[reason] += 1
+    def _fail(self, rs: Sequence[Rollout], error_reason: str, e: Exception, stats: RolloutStats):
+        """Mark ``rs`` failed: ``<component>_invalid`` when the value was wrong, else
+        ``error_reason`` (the function raised); keep the first cause."""
+        group = error_reason.startswith("group_")
+        name = self.group_reward_name if group else self.reward_name
+        fn = self.group_reward_fn if group else self.reward_fn
+        # A RewardError (ours, or raised by a library reward such as `combine`) is a bad value.
+        invalid = isinstance(e, RewardError)
+        reason = error_reason.replace("_error", "_invalid") if invalid else error_reason
+        failure = _failure(reason, name, e, rs[0].sample_id, fn)
+        for r in rs:
+            r.status = RolloutStatus.FAILED
+            r.metadata["failure"] = f"{reason}: {failure.error}"
+        stats.record(reason, len(rs), failure)
 
     async def _score_group(self, g: Group, texts: dict[int, str], stats: RolloutStats) -> None:
         assert self.group_reward_fn is not None
@@ -351,21 +475,86 @@ class Scorer:
             values = self.group_reward_fn(g.prompt, [texts[id(r)] for r in live], live)
             if inspect.isawaitable(values):
                 values = await values
+            if not isinstance(values, Sequence) or isinstance(values, (str, Mapping)):
+                raise _InvalidResult(
+                    f"returned {type(values).__name__} {_short(values)}; a group reward returns "
+                    "a list with one value per rollout, in order"
+                )
             values = list(values)
             if len(values) != len(live):
-                raise RewardError(
-                    f"group reward for prompt {g.prompt.uid}: {len(values)} values for "
-                    f"{len(live)} rollouts; return one per rollout, in order."
+                raise _InvalidResult(
+                    f"returned {len(values)} values for {len(live)} rollouts of prompt "
+                    f"{g.prompt.uid}; return one per rollout, in order"
                 )
-            scored = [self._to_scalar(v, r) for v, r in zip(values, live)]
+            scored = [self._to_scalar(v) for v in values]
         except Exception as e:  # a user reward must never crash the step
-            reason = "group_reward_invalid" if isinstance(e, RewardError) else "group_reward_error"
-            for r in live:
-                self._fail(r, reason, e, stats)
+            self._fail(live, FailureReasons.GROUP_REWARD_ERROR, e, stats)
             return
         for r, (scalar, info) in zip(live, scored):
             per_rollout = {f"rollout_{k}": v for k, v in r.reward_info.items()}
             r.reward, r.reward_info = scalar, {**per_rollout, **info}
+
+
+def _number(value: Any, key: str | None, expected: str) -> float:
+    """``float(value)`` for a real number (bools, numpy and 0-d tensor scalars included), else
+    :class:`_InvalidResult` saying what came back; ``key`` is its key in a returned mapping."""
+    under = f" under key {key!r}" if key is not None else ""
+    if value is None or isinstance(value, (str, bytes)):
+        raise _InvalidResult(f"returned {_short(value)}{under}; {expected}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise _InvalidResult(
+            f"returned {type(value).__name__} {_short(value)}{under}; {expected}"
+        ) from None
+
+
+def _generation_failure(r: Rollout) -> tuple[str, int, Failure]:
+    """Reason, count and cause of a rollout that came back failed from generation: the engine
+    (``generation_error``) or a ``generate_fn`` that marked it (``agent_error: ...``: the
+    reason is the text before the first colon)."""
+    text = str(r.metadata.get("failure", "generation_error"))
+    reason = text.split(":", 1)[0].strip().replace(" ", "_") or "generation_error"
+    engine = reason == "generation_error"
+    failure = Failure(
+        reason=reason,
+        component="generator" if engine else "rollout.generate_fn",
+        error="the engine returned an error for this request (see its log)" if engine else text,
+        sample=r.sample_id,
+    )
+    return reason, 1, failure
+
+
+class GuardedFilter:
+    """A :class:`~rl_core.interfaces.GroupFilter` from the config that cannot crash a round.
+
+    A filter that raises, or returns something other than ``None`` or a string (a bool is a
+    common slip), drops the group with reason ``filter_error``; its rollouts count as failed in
+    :attr:`stats` (``rollout/failed/filter_error``) with the first cause. The trainer points
+    :attr:`stats` at each round's counters before the sampler applies the filters.
+    """
+
+    def __init__(self, fn: GroupFilter, name: str) -> None:
+        self.fn = fn
+        self.name = name
+        """The filter's config field and type, for failure reports."""
+        self.stats = RolloutStats()
+        """Where failures are counted (set per round by the trainer)."""
+
+    def __call__(self, group: Group) -> str | None:
+        """The wrapped filter's verdict, or ``filter_error`` when it failed."""
+        try:
+            reason = self.fn(group)
+            if reason is not None and not isinstance(reason, str):
+                raise _InvalidResult(
+                    f"returned {type(reason).__name__} {_short(reason)} for prompt {group.uid}; "
+                    "a filter returns None to keep the group or a drop-reason string"
+                )
+        except Exception as e:  # user code must never crash the round
+            failure = _failure(FailureReasons.FILTER_ERROR, self.name, e, group.uid, self.fn)
+            self.stats.record(FailureReasons.FILTER_ERROR, len(group.rollouts), failure)
+            return FailureReasons.FILTER_ERROR
+        return reason
 
 
 def filter_groups(

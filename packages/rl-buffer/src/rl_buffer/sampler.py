@@ -87,6 +87,13 @@ class DynamicSampler:
         return len(self._kept)
 
     @property
+    def step_counts(self) -> dict[str, int]:
+        """Counts of the step in progress (since the last :meth:`pop_batch`): ``rounds``,
+        ``seen``, ``kept`` and ``drop_<reason>`` per filter drop reason; for error messages that
+        must say who dropped the groups."""
+        return dict(self._step)
+
+    @property
     def full(self) -> bool:
         """Whether a full batch of kept groups is available."""
         return len(self._kept) >= self.config.batch_size

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rl_core.config import ComponentSpec, from_dict
@@ -133,25 +133,68 @@ def build(kind: str, spec: ComponentSpec | str, *, field: str = "", **runtime: A
     return obj
 
 
+def _protocol_params(protocol: type) -> list[str] | None:
+    """Parameter names of a ``typing.Protocol``'s own ``__call__`` (without ``self``), if any."""
+    call = protocol.__dict__.get("__call__") if getattr(protocol, "_is_protocol", False) else None
+    if call is None:
+        return None
+    return [p.name for p in inspect.signature(call).parameters.values()][1:]
+
+
+def _plain_signature(sig: inspect.Signature) -> str:
+    """``sig`` without annotations or return type: ``(a, b=1, *, c)``."""
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
 def check_callable(
-    obj: Any, protocol: type, *, field: str, n_args: int | None = None
+    obj: Any,
+    protocol: type,
+    *,
+    field: str,
+    n_args: int | None = None,
+    call: Sequence[str] | None = None,
+    ref: str | None = None,
 ) -> Callable[..., Any]:
-    """Check at load time that ``obj`` is callable with ``n_args`` positional arguments, so a wrong
-    signature is reported when the config is read, not mid-run."""
+    """Check at load time that ``obj`` can be called the way the framework calls it, so a wrong
+    signature is reported when the config is read, not mid-run.
+
+    The call's positional arguments are ``call`` (their names, for the message), else the
+    parameters of ``protocol.__call__`` when ``protocol`` is a ``typing.Protocol`` (``RewardFn``:
+    ``prompt, response, rollout``), else ``n_args`` unnamed ones; with none of them only
+    callability is checked. ``ref`` is how the config names ``obj`` (``'my_pkg.rewards:score'``).
+    The error shows both sides, e.g.::
+
+        reward: 'my_reward:score' takes (a, b), which does not match RewardFn: the trainer
+        calls it as score(prompt, response, rollout) (too many positional arguments).
+    """
+    what = protocol.__name__ if protocol is not object else "the call"
+    name = ref or getattr(obj, "__qualname__", None) or type(obj).__qualname__
     if not callable(obj):
-        raise ConfigError(f"{field}: {obj!r} is not callable; expected a {protocol.__name__}.")
-    if n_args is not None:
-        try:
-            sig = inspect.signature(obj)
-        except (TypeError, ValueError):
-            return obj
-        try:
-            sig.bind(*([None] * n_args))
-        except TypeError as e:
-            raise ConfigError(
-                f"{field}: {getattr(obj, '__qualname__', obj)!r} does not match {protocol.__name__} "
-                f"({n_args} positional arguments): {e}."
-            ) from None
+        expected = f"a {what} (" if protocol is not object else "("
+        raise ConfigError(
+            f"{field}: {ref or repr(obj)!r} (of type {type(obj).__name__}) is not callable; "
+            f"expected {expected}a function, or an object with __call__)."
+        )
+    params = list(call) if call is not None else _protocol_params(protocol)
+    if params is None and n_args is not None:
+        params = [f"arg{i + 1}" for i in range(n_args)]
+    if params is None:
+        return obj
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return obj
+    try:
+        sig.bind(*([None] * len(params)))
+    except TypeError as e:
+        fn_name = getattr(obj, "__name__", None) or type(obj).__name__
+        shown = ", ".join(params)
+        raise ConfigError(
+            f"{field}: {name!r} takes {_plain_signature(sig)}, which does not match {what}: "
+            f"the trainer calls it as {fn_name}({shown}) ({e}). Give it the parameters "
+            f"({shown}); any others need default values."
+        ) from None
     return obj
 
 
