@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -194,10 +193,9 @@ def test_damaged_delta_refused_local_intact(tmp_path: Path, damage: str) -> None
     _assert_intact(tmp_path, target, w1, local_bytes)
 
 
-def test_wrong_base_refused(tmp_path: Path) -> None:
+def test_wrong_base_refused(tmp_path: Path, edit_manifest) -> None:
     receiver, target, u2, w1, local_bytes = _setup_v2(tmp_path)
-    mpath = Path(u2.location) / "manifest.json"
-    mpath.write_text(mpath.read_text().replace('"base_version": 1', '"base_version": 0'))
+    edit_manifest(Path(u2.location), lambda m: m.update(base_version=0))
     with pytest.raises(WeightSyncError, match="version 2 is a delta on version 0"):
         receiver.apply(u2, target)
     _assert_intact(tmp_path, target, w1, local_bytes)
@@ -213,15 +211,15 @@ def test_local_checkpoint_on_other_version_refused(tmp_path: Path) -> None:
         receiver.apply(u2, DictTarget(w1, version=1))
 
 
-def test_manifest_path_outside_sync_dir_refused(tmp_path: Path) -> None:
+def test_manifest_path_outside_sync_dir_refused(tmp_path: Path, edit_manifest) -> None:
     receiver, target, u2, w1, local_bytes = _setup_v2(tmp_path)
-    mpath = Path(u2.location) / "manifest.json"
-    mpath.write_text(
-        mpath.read_text().replace('"file": "delta.bin"', '"file": "../../local/model.safetensors"')
-    )
-    with pytest.raises(
-        WeightSyncError, match=r"of weight version 2: manifest path .* outside the sync directory"
-    ):
+
+    def escape(m: dict) -> None:
+        for e in m["tensors"]:
+            e["file"] = "../../local/model.safetensors"
+
+    edit_manifest(Path(u2.location), escape)
+    with pytest.raises(WeightSyncError, match=r"of weight version 2: payload file '\.\./\.\./"):
         receiver.apply(u2, target)
     _assert_intact(tmp_path, target, w1, local_bytes)
 
@@ -246,6 +244,12 @@ class _DiskTarget:
     def __init__(self) -> None:
         self._version = 0
         self.loaded: list[tuple[str, int]] = []
+
+    @classmethod
+    def at(cls, version: int) -> _DiskTarget:
+        t = cls()
+        t._version = version
+        return t
 
     @property
     def weight_version(self) -> int:
@@ -284,16 +288,34 @@ def test_colocated_receivers_share_one_local_dir(tmp_path: Path) -> None:
     assert_bitwise_equal(load_file(str(tmp_path / "local" / "model.safetensors")), w)
 
 
-def test_new_tensor_in_delta_rewrites_local(tmp_path: Path) -> None:
+@pytest.mark.parametrize("change", ["added", "removed"])
+def test_name_set_change_is_a_full_version_refused_by_a_holding_receiver(
+    tmp_path: Path, change: str
+) -> None:
+    """A new or vanished tensor makes the sender write a full version; a receiver holding the old
+    name set refuses it (the target would keep a stale tensor, or get one it lacks) with its
+    weights, version and local checkpoint intact; a fresh receiver takes it."""
     sender, receiver = _pair(tmp_path)
-    w1 = {"a": torch.ones(4)}
-    w2 = {"a": torch.ones(4), "b": torch.arange(3.0)}
+    small, big = {"a": torch.ones(4)}, {"a": torch.ones(4) * 2, "b": torch.arange(3.0)}
+    w1, w2 = (small, big) if change == "added" else (big, small)
     target = DictTarget()
     receiver.apply(sender.publish(1, w1.items()), target)
+    local_bytes = (tmp_path / "local" / "model.safetensors").read_bytes()
     u2 = sender.publish(2, w2.items())
-    assert u2.base_version == 1
-    receiver.apply(u2, target)
-    assert_bitwise_equal(target.tensors, w2)
-    assert np.array_equal(
-        load_file(str(tmp_path / "local" / "model.safetensors"))["b"].numpy(), np.arange(3.0)
+    assert u2.base_version is None and u2.metadata["kind"] == "full"
+    with pytest.raises(WeightSyncError, match=r"weight version 2 refused: its \d tensor names"):
+        receiver.apply(u2, target)
+    assert target.weight_version == 1 and target.load_calls == 1
+    assert_bitwise_equal(target.tensors, w1)
+    assert (tmp_path / "local" / "model.safetensors").read_bytes() == local_bytes
+    # A target that reports no names cannot be checked against itself: the local checkpoint's
+    # names (what this receiver holds) decide.
+    with pytest.raises(WeightSyncError, match="of the version this receiver holds"):
+        receiver.apply(u2, _DiskTarget.at(1))
+    fresh = DiskDeltaTransport(
+        DiskDeltaTransport.Config(directory=tmp_path / "sync", local_dir=tmp_path / "fresh")
     )
+    new_target = DictTarget()
+    fresh.apply(u2, new_target)
+    assert_bitwise_equal(new_target.tensors, w2)
+    assert_bitwise_equal(load_file(str(tmp_path / "fresh" / "model.safetensors")), w2)

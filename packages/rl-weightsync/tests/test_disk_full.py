@@ -141,14 +141,17 @@ def test_damaged_file_refused_target_intact(tmp_path: Path, damage: str) -> None
     assert_bitwise_equal(target.tensors, w1)
 
 
-def test_manifest_path_outside_sync_dir_refused(tmp_path: Path) -> None:
+def test_manifest_path_outside_sync_dir_refused(tmp_path: Path, edit_manifest) -> None:
     t = DiskFullTransport(DiskFullTransport.Config(directory=tmp_path / "sync"))
     update = t.publish(1, sample_weights().items())
     (tmp_path / "evil.safetensors").write_bytes(b"")
-    mpath = Path(update.location) / "manifest.json"
-    mpath.write_text(
-        mpath.read_text().replace('"file": "model.safetensors"', '"file": "../../evil.safetensors"')
-    )
+    (Path(update.location) / "model.safetensors").rename(tmp_path / "model.safetensors")
+
+    def escape(m: dict) -> None:
+        for e in m["tensors"]:
+            e["file"] = "../../evil.safetensors"
+
+    edit_manifest(Path(update.location), escape)
     with pytest.raises(WeightSyncError, match="outside the sync directory"):
         t.apply(update, DictTarget())
 

@@ -1,8 +1,19 @@
-"""Atomic file-system helpers shared by the disk transports (private)."""
+"""Atomic file-system helpers shared by the disk transports (private).
+
+Version creation is exclusive: a writer stages the whole version (payload, manifest, and the
+``COMPLETE`` marker last) in a private temporary directory, then publishes it with a rename that
+never replaces an existing directory (``renameat2(RENAME_NOREPLACE)``; where the file system lacks
+it, an existence check plus ``rename``, which fails onto a non-empty directory). Of two writers of
+one version exactly one wins; the other gets a :class:`WeightSyncError` and its staged directory
+is removed. A version directory that is visible is always whole.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import os
 import re
@@ -10,6 +21,7 @@ import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -95,23 +107,73 @@ def staged_version(directory: Path, version: int) -> Iterator[Path]:
 
 
 def commit_version(tmp: Path, directory: Path, version: int, manifest: Manifest) -> Path:
-    """Write ``manifest`` into the staged ``tmp``, then commit it atomically as ``version``'s
-    directory (completion marker last); returns that directory."""
+    """Write ``manifest`` into the staged ``tmp``, then publish it as ``version``'s directory
+    (:func:`commit_dir`: marker last, exclusive rename); returns that directory."""
     write_bytes_synced(tmp / MANIFEST, manifest.to_json().encode())
     final = directory / version_dirname(version)
-    commit_dir(tmp, final)
+    commit_dir(tmp, final, what=f"weight version {version}")
     return final
 
 
-def commit_dir(tmp: Path, final: Path) -> None:
-    """fsync ``tmp``, rename it to ``final``, then write the completion marker last."""
+def commit_dir(tmp: Path, final: Path, *, what: str) -> None:
+    """Write the completion marker last inside the staged ``tmp``, fsync it, and rename it to
+    ``final`` unless ``final`` already exists (then WeightSyncError; ``tmp`` is left for the
+    caller's :func:`staged_version` to remove)."""
+    write_bytes_synced(tmp / COMPLETE, b"")
     fsync_path(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        rename_noreplace(tmp, final)
+    except FileExistsError:
+        raise WeightSyncError(
+            f"publish of {what} refused: {str(final)!r} already exists (another publisher wrote "
+            "this version first, or a crashed one left it behind). Nothing was changed; publish "
+            "a higher version, or remove the directory if no receiver uses it"
+        ) from None
     fsync_path(final.parent)
-    write_bytes_synced(final / COMPLETE, b"")
-    fsync_path(final)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's ``renameat2`` (Linux >= 3.15, glibc >= 2.28), or ``None``."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` atomically; FileExistsError if ``dst`` exists (even empty)."""
+    fn = _renameat2()
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+        # The file system does not support RENAME_NOREPLACE: fall back below.
+    rename_checked(src, dst)
+
+
+def rename_checked(src: Path, dst: Path) -> None:
+    """Fallback of :func:`rename_noreplace`: refuse an existing ``dst``, then ``rename``, which
+    fails onto a non-empty directory, so two writers staging whole versions never both win."""
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+            raise FileExistsError(e.errno, e.strerror, str(dst)) from None
+        raise
 
 
 def remove_version_dir(path: Path) -> None:
@@ -186,10 +248,15 @@ def read_manifest(version_dir: Path, version: int) -> Manifest:
     """Read and validate ``manifest.json`` of a version directory."""
     path = version_dir / MANIFEST
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise WeightSyncError(
             f"weight version {version}: {str(path)!r} is missing; the version is incomplete or was "
             "pruned. Apply a newer version or republish"
         ) from None
-    return Manifest.from_json(text, source=str(path), expect_version=version)
+    except OSError as e:
+        raise WeightSyncError(
+            f"weight version {version}: cannot read {str(path)!r} ({e}); fix the file's "
+            "permissions or republish the version"
+        ) from None
+    return Manifest.from_json(data, source=str(path), expect_version=version)

@@ -17,11 +17,13 @@ a directory ``weight_v000008/`` with ``delta.bin`` (one zstd frame per changed t
 Encodings: ``xor`` (default; the XOR of old and new bytes, mostly zero bits after a small
 optimizer step; must be applied exactly once on the right base) or ``overwrite`` (positions and
 new values of the changed elements; idempotent). A full version (the first publish, every
-``full_every`` versions, or after a sender restart) resets the chain: receivers on any older
-version can take it and later deltas build on it.
+``full_every`` versions, after a sender restart, or when the set of tensor names changes) resets
+the chain: receivers on any older version can take it and later deltas build on it.
 
-A receiver refuses a delta whose base is not its current version, verifies every tensor before
-writing anything into its local checkpoint, and only then loads. A target with
+A receiver refuses a delta whose base is not its current version or whose name set differs from
+its local checkpoint's, verifies the manifest (its own checksum, counts, names), that the entries
+tile ``delta.bin`` exactly, and every tensor's checksum before writing anything into its local
+checkpoint, and only then loads. Versions are published exclusively (see ``_fs``). A target with
 ``load_weights_from_disk`` (:class:`~rl_weightsync.disk_full.DiskWeightTarget`) is pointed at the
 local checkpoint; any other target gets the changed tensors through ``load_weights``.
 """
@@ -61,8 +63,16 @@ from rl_weightsync.disk_full import (
     DiskWeightTarget,
     cast_for_serving,
     load_checkpoint_tensors,
+    target_weight_names,
 )
-from rl_weightsync.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name, safe_join
+from rl_weightsync.manifest import (
+    Manifest,
+    TensorEntry,
+    check_name_set,
+    dtype_from_name,
+    dtype_name,
+    safe_join,
+)
 
 __all__ = ["DiskDeltaTransport", "decode_delta", "encode_delta"]
 
@@ -201,6 +211,52 @@ def _read_local_tensors(local_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _read_delta_payload(vdir: Path, manifest: Manifest) -> dict[str, bytes]:
+    """Each entry's compressed payload, after checking that the entries tile ``delta.bin``
+    exactly: in order, no gap, no overlap, no byte left over (so nothing was dropped from the
+    manifest or appended to the file)."""
+    version = manifest.version
+    first = manifest.tensors[0].name if manifest.tensors else None
+    for e in manifest.tensors:
+        if e.file != DELTA_FILE:
+            raise WeightSyncError(
+                f"tensor {e.name!r} of weight version {version}: payload file {e.file!r}, but a "
+                f"delta keeps every payload in {DELTA_FILE!r}; republish the version"
+            )
+    path = safe_join(vdir, DELTA_FILE, version=version, tensor=first)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        who = (
+            f"tensor {first!r} of weight version {version}"
+            if first
+            else f"weight version {version}"
+        )
+        raise WeightSyncError(
+            f"{who}: payload file {str(path)!r} cannot be read ({exc.strerror}); republish the "
+            "version or apply a full one"
+        ) from None
+    blobs: dict[str, bytes] = {}
+    end = 0
+    for e in manifest.tensors:
+        if e.offset != end or e.offset + e.length > len(data):
+            raise WeightSyncError(
+                f"tensor {e.name!r} of weight version {version}: payload at bytes [{e.offset}, "
+                f"{e.offset + e.length}) but the previous entry ends at {end} and {DELTA_FILE} "
+                f"has {len(data)} bytes (truncated, or the manifest and payload disagree); "
+                "republish the version"
+            )
+        blobs[e.name] = data[e.offset : e.offset + e.length]
+        end = e.offset + e.length
+    if end != len(data):
+        raise WeightSyncError(
+            f"weight version {version}: {str(path)!r} has {len(data) - end} bytes after the last "
+            "entry the manifest lists (an entry was removed, or the file was appended to); "
+            "republish the version"
+        )
+    return blobs
+
+
 class DiskDeltaTransport(WeightTransport):
     """XOR or overwrite deltas, zstd-compressed and checksummed, applied in place on receivers."""
 
@@ -312,7 +368,7 @@ class DiskDeltaTransport(WeightTransport):
                 snap is None
                 or (bool(existing) and existing[-1] > (self._snapshot_version or 0))
                 or (self.config.full_every > 0 and version % self.config.full_every == 0)
-                or not set(snap) <= {n for n, _ in tensors}
+                or set(snap) != {n for n, _ in tensors}
             )
             if full:
                 update = self._publish_full(version, tensors)
@@ -340,8 +396,8 @@ class DiskDeltaTransport(WeightTransport):
                 base_version=None,
                 kind="full",
                 tensors=tuple(entries),
+                names=tuple(sorted(e.name for e in entries)),
                 checksum=self.config.checksum,
-                num_tensors=len(entries),
                 extra={"bytes": nbytes, "full_bytes": nbytes},
             )
             final = _fs.commit_version(tmp, self.directory, version, manifest)
@@ -416,8 +472,8 @@ class DiskDeltaTransport(WeightTransport):
             base_version=base,
             kind="delta",
             tensors=tuple(entries),
+            names=tuple(sorted(by_name)),
             checksum=self.config.checksum,
-            num_tensors=len(tensors),
             extra={
                 "bytes": offset,
                 "full_bytes": full_bytes,
@@ -559,19 +615,40 @@ class DiskDeltaTransport(WeightTransport):
         return iter(self._receive(update, current_version))
 
     def _receive(
-        self, update: WeightUpdate, current_version: int
+        self, update: WeightUpdate, current_version: int, target: object = None
     ) -> list[tuple[str, torch.Tensor]]:
         vdir, manifest = self._check(update, current_version)
         version = manifest.version
+        target_names = target_weight_names(target)
         with self._lock, self._host_lock():
             if manifest.kind == "full":
-                if self._local_state_version() == version:  # a co-located rank already did it
+                local_v = self._local_state_version()
+                if local_v == version:  # a co-located rank already did it
+                    check_name_set(
+                        manifest,
+                        current_version=current_version,
+                        held=None,
+                        target_names=target_names,
+                    )
                     return self._reread_local(manifest)
+                held = set(_local_layout(self._require_local())) if local_v is not None else None
+                check_name_set(
+                    manifest,
+                    current_version=current_version,
+                    held=frozenset(held) if held is not None else None,
+                    target_names=target_names,
+                )
                 tensors = load_checkpoint_tensors(vdir, manifest)
                 self._replace_local(tensors, version, vdir)
                 return tensors
             local_v = self.local_version()
             if local_v == version:  # patched earlier, the target failed to load: reread and verify
+                check_name_set(
+                    manifest,
+                    current_version=current_version,
+                    held=frozenset(_local_layout(self._require_local())),
+                    target_names=target_names,
+                )
                 return self._reread_local(manifest)
             if local_v != manifest.base_version:
                 raise WeightSyncError(
@@ -579,6 +656,12 @@ class DiskDeltaTransport(WeightTransport):
                     f"the local checkpoint {str(self.local_dir)!r} is on version {local_v}; apply a "
                     "full version to resync"
                 )
+            check_name_set(
+                manifest,
+                current_version=current_version,
+                held=frozenset(_local_layout(self._require_local())),
+                target_names=target_names,
+            )
             return self._apply_delta(vdir, manifest)
 
     @contextlib.contextmanager
@@ -619,27 +702,7 @@ class DiskDeltaTransport(WeightTransport):
         version = manifest.version
         local = self._require_local()
         layout = _local_layout(local)
-        payload_path = {}
-        for e in manifest.tensors:
-            payload_path[e.file] = safe_join(vdir, e.file, version=version, tensor=e.name)
-        blobs: dict[str, bytes] = {}
-        for fname, path in payload_path.items():
-            entries = [e for e in manifest.tensors if e.file == fname]
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                raise WeightSyncError(
-                    f"tensor {entries[0].name!r} of weight version {version}: payload file "
-                    f"{str(path)!r} is missing; republish the version or apply a full one"
-                ) from None
-            for e in entries:
-                if e.offset + e.length > len(data):
-                    raise WeightSyncError(
-                        f"tensor {e.name!r} of weight version {version}: payload ends at byte "
-                        f"{e.offset + e.length} but {fname} has {len(data)} bytes (truncated); "
-                        "republish the version"
-                    )
-                blobs[e.name] = data[e.offset : e.offset + e.length]
+        blobs = _read_delta_payload(vdir, manifest)
 
         def decode(e: TensorEntry) -> tuple[TensorEntry, np.ndarray, bool]:
             itemsize = dtype_from_name(e.dtype).itemsize
@@ -714,7 +777,7 @@ class DiskDeltaTransport(WeightTransport):
     def apply(self, update: WeightUpdate, target: WeightTarget | DiskWeightTarget) -> None:
         """Patch the local checkpoint (verified), then load: from disk for a DiskWeightTarget,
         else the changed tensors through ``load_weights``."""
-        tensors = self._receive(update, target.weight_version)
+        tensors = self._receive(update, target.weight_version, target)
         if isinstance(target, DiskWeightTarget):
             target.load_weights_from_disk(str(self._require_local()), version=update.version)
         else:

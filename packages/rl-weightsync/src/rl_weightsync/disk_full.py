@@ -2,8 +2,10 @@
 
 The sender writes ``<directory>/weight_v000007/`` holding ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``), the config and tokenizer files copied from ``assets_dir``, a
-``manifest.json`` with per-tensor checksums, and a ``COMPLETE`` marker written last. The directory
-is built under a temporary name and renamed into place, so readers never see a partial version::
+``manifest.json`` with per-tensor checksums, the name set and a checksum of itself, and a
+``COMPLETE`` marker written last. The directory is built under a private temporary name and
+renamed into place by a rename that never replaces an existing version, so readers never see a
+partial version and of two publishers of one version exactly one wins::
 
     sender = DiskFullTransport(DiskFullTransport.Config(directory="/shared/sync", assets_dir="ckpt/"))
     update = sender.publish(7, policy.named_weights())
@@ -12,13 +14,16 @@ is built under a temporary name and renamed into place, so readers never see a p
     receiver.apply(update, generator)     # or a DiskWeightTarget: loads from the directory
 
 Each version directory is itself a valid Hugging Face checkpoint (e.g. for SGLang's
-``/update_weights_from_disk``).
+``/update_weights_from_disk``). A receiver verifies the manifest, that the safetensors files hold
+exactly the tensors it lists, every checksum, and that the name set equals the one it holds
+(:func:`~rl_weightsync.manifest.check_name_set`) before it touches the target.
 """
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
@@ -31,9 +36,16 @@ from rl_core.interfaces import WeightTarget, WeightTransport
 from rl_core.types import WeightUpdate
 from rl_weightsync import _fs
 from rl_weightsync.checksum import CHECKSUM_ALGORITHMS, verify_checksum
-from rl_weightsync.manifest import Manifest, dtype_from_name, safe_join
+from rl_weightsync.manifest import Manifest, check_name_set, dtype_from_name, safe_join
 
-__all__ = ["DEFAULT_ASSET_PATTERNS", "DiskFullTransport", "DiskWeightTarget", "cast_for_serving"]
+__all__ = [
+    "DEFAULT_ASSET_PATTERNS",
+    "DiskFullTransport",
+    "DiskWeightTarget",
+    "NamedWeightTarget",
+    "cast_for_serving",
+    "target_weight_names",
+]
 
 DEFAULT_ASSET_PATTERNS: tuple[str, ...] = (
     "config.json",
@@ -66,6 +78,25 @@ class DiskWeightTarget(Protocol):
         ...
 
 
+@runtime_checkable
+class NamedWeightTarget(Protocol):
+    """Optional capability of a target: it reports the tensor names it holds.
+
+    Receivers then check an update's full name set against the target itself, and may take a full
+    checkpoint whose names differ from the previous version's when they equal the target's.
+    """
+
+    @property
+    def weight_names(self) -> Collection[str]:
+        """Names of the tensors currently loaded (empty: nothing loaded yet)."""
+        ...
+
+
+def target_weight_names(target: object) -> frozenset[str] | None:
+    """The names ``target`` reports (:class:`NamedWeightTarget`), or ``None``."""
+    return frozenset(target.weight_names) if isinstance(target, NamedWeightTarget) else None
+
+
 def cast_for_serving(
     named_tensors: Iterable[tuple[str, torch.Tensor]], serve_dtype: str | None, *, version: int
 ) -> list[tuple[str, torch.Tensor]]:
@@ -94,14 +125,46 @@ def cast_for_serving(
     return out
 
 
-def load_checkpoint_tensors(
-    version_dir: Path, manifest: Manifest
-) -> list[tuple[str, torch.Tensor]]:
-    """Read every tensor of a full checkpoint and verify dtype, shape and checksum."""
+def _check_payload_files(version_dir: Path, manifest: Manifest) -> dict[str, list]:
+    """The manifest's entries by file, after checking that the safetensors files of the directory
+    are exactly the ones the manifest names (an engine loading the directory reads them all) and
+    that a sharded checkpoint's index maps every name to the manifest's file."""
     version = manifest.version
     by_file: dict[str, list] = {}
     for e in manifest.tensors:
         by_file.setdefault(e.file, []).append(e)
+    present = {p.name for p in version_dir.glob("*.safetensors")}
+    extra = sorted(present - set(by_file))
+    if extra:
+        raise WeightSyncError(
+            f"weight version {version}: {str(version_dir)!r} holds {extra} that its manifest does "
+            "not list (unverified tensors an engine would load); republish the version"
+        )
+    index_path = version_dir / _fs.INDEX
+    if index_path.exists() or len(by_file) > 1:
+        expected = {e.name: e.file for e in manifest.tensors}
+        try:
+            weight_map = json.loads(index_path.read_bytes())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise WeightSyncError(
+                f"weight version {version}: cannot read the shard index {str(index_path)!r} "
+                f"({exc!r}); republish the version"
+            ) from None
+        if weight_map != expected:
+            raise WeightSyncError(
+                f"weight version {version}: the shard index {str(index_path)!r} does not map "
+                "exactly the manifest's tensors to the manifest's files; republish the version"
+            )
+    return by_file
+
+
+def load_checkpoint_tensors(
+    version_dir: Path, manifest: Manifest
+) -> list[tuple[str, torch.Tensor]]:
+    """Read every tensor of a full checkpoint and verify the file set, that each file holds
+    exactly the tensors the manifest puts there, and each tensor's dtype, shape and checksum."""
+    version = manifest.version
+    by_file = _check_payload_files(version_dir, manifest)
     out: dict[str, torch.Tensor] = {}
     for fname, entries in by_file.items():
         path = safe_join(version_dir, fname, version=version, tensor=entries[0].name)
@@ -112,6 +175,14 @@ def load_checkpoint_tensors(
             )
         try:
             with safe_open(str(path), framework="pt") as f:
+                held = set(f.keys())
+                listed = {e.name for e in entries}
+                if held != listed:
+                    raise WeightSyncError(
+                        f"weight version {version}: {str(path)!r} holds tensors "
+                        f"{sorted(held - listed)[:5]} the manifest does not list there and lacks "
+                        f"{sorted(listed - held)[:5]} it does; republish the version"
+                    )
                 for e in entries:
                     out[e.name] = f.get_tensor(e.name)
         except WeightSyncError:
@@ -174,6 +245,7 @@ class DiskFullTransport(WeightTransport):
             dtype_from_name(config.serve_dtype)
         self.directory = Path(config.directory)
         self._lock = threading.Lock()
+        self._names: dict[int, frozenset[str]] = {}
 
     @property
     def versions(self) -> list[int]:
@@ -213,8 +285,8 @@ class DiskFullTransport(WeightTransport):
                     base_version=None,
                     kind="full",
                     tensors=tuple(entries),
+                    names=tuple(sorted(e.name for e in entries)),
                     checksum=self.config.checksum,
-                    num_tensors=len(entries),
                     extra={"bytes": nbytes},
                 )
                 final = _fs.commit_version(tmp, self.directory, version, manifest)
@@ -227,7 +299,9 @@ class DiskFullTransport(WeightTransport):
             metadata={"num_tensors": len(entries), "bytes": nbytes},
         )
 
-    def _check(self, update: WeightUpdate, current_version: int) -> tuple[Path, Manifest]:
+    def _check(
+        self, update: WeightUpdate, current_version: int, target: object = None
+    ) -> tuple[Path, Manifest]:
         version = update.version
         if update.transport != self.name:
             raise WeightSyncError(
@@ -246,21 +320,51 @@ class DiskFullTransport(WeightTransport):
                 "published, still being written, or pruned). Apply the newest update, or raise "
                 "DiskFullTransport.Config.keep_versions"
             )
-        return vdir, _fs.read_manifest(vdir, version)
+        manifest = _fs.read_manifest(vdir, version)
+        check_name_set(
+            manifest,
+            current_version=current_version,
+            held=self._held_names(current_version),
+            target_names=target_weight_names(target),
+        )
+        return vdir, manifest
+
+    def _held_names(self, version: int) -> frozenset[str] | None:
+        """Names of ``version`` as this receiver verified them, else as its (verified) manifest
+        in the directory says; ``None`` when unknown (a base checkpoint, or pruned)."""
+        with self._lock:
+            if version in self._names:
+                return self._names[version]
+        vdir = self.version_dir(version)
+        if version > 0 and (vdir / _fs.COMPLETE).is_file():
+            try:
+                return frozenset(_fs.read_manifest(vdir, version).names)
+            except WeightSyncError:
+                return None
+        return None
+
+    def _verified(self, manifest: Manifest) -> None:
+        with self._lock:
+            self._names[manifest.version] = frozenset(manifest.names)
+            while len(self._names) > 4:
+                del self._names[min(self._names)]
 
     def receive(
         self, update: WeightUpdate, *, current_version: int
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """All tensors of ``update``, read and verified before the first is yielded."""
         vdir, manifest = self._check(update, current_version)
-        return iter(load_checkpoint_tensors(vdir, manifest))
+        tensors = load_checkpoint_tensors(vdir, manifest)
+        self._verified(manifest)
+        return iter(tensors)
 
     def apply(self, update: WeightUpdate, target: WeightTarget | DiskWeightTarget) -> None:
-        """Verify, then load into ``target`` (from the directory for a :class:`DiskWeightTarget`)."""
+        """Verify everything (manifest, name set, files, checksums), then load into ``target``
+        (from the directory for a :class:`DiskWeightTarget`); a refusal leaves it untouched."""
+        vdir, manifest = self._check(update, target.weight_version, target)
+        tensors = load_checkpoint_tensors(vdir, manifest)  # every byte verified before loading
+        self._verified(manifest)
         if isinstance(target, DiskWeightTarget):
-            vdir, manifest = self._check(update, target.weight_version)
-            load_checkpoint_tensors(vdir, manifest)  # verify every byte before the engine reads
             target.load_weights_from_disk(str(vdir), version=update.version)
-            return
-        tensors = list(self.receive(update, current_version=target.weight_version))
-        target.load_weights(tensors, version=update.version)
+        else:
+            target.load_weights(tensors, version=update.version)

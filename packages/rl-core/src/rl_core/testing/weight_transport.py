@@ -57,6 +57,11 @@ class DictTarget:
         """Version of the weights currently loaded."""
         return self._version
 
+    @property
+    def weight_names(self) -> frozenset[str]:
+        """Names of the tensors held; receivers that check name sets compare updates to it."""
+        return frozenset(self.tensors)
+
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
     ) -> None:
