@@ -304,3 +304,19 @@ def _resume_damaged(run_dir, make, rel, kind, where, bit, mode) -> None:
             trainer = _trainer(make, run_dir)
         assert any(damaged in str(w.message) for w in caught)
         assert trainer._resume_from == ckpts / PREVIOUS
+
+
+def test_cli_refusal_names_the_file_and_the_fix(run_copy, tiny_recipe_dict, tmp_path, capsys):
+    """``rl-train run --resume`` on a damaged checkpoint: exit 2, the file and the fix, no trace."""
+    import yaml
+
+    from rl_trainer.cli import main
+
+    damaged = _flip_weight(run_copy / "checkpoints" / NEWEST)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(tiny_recipe_dict, run_copy, 3, "refuse")))
+    assert main(["run", str(recipe), "--resume", "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: CheckpointError: ") and "Traceback" not in err
+    assert str(damaged) in err and "the manifest says" in err
+    assert "checkpoint.on_damaged=fallback" in err
