@@ -320,3 +320,17 @@ def test_cli_refusal_names_the_file_and_the_fix(run_copy, tiny_recipe_dict, tmp_
     assert err.startswith("error: CheckpointError: ") and "Traceback" not in err
     assert str(damaged) in err and "the manifest says" in err
     assert "checkpoint.on_damaged=fallback" in err
+
+
+def test_unloadable_policy_state_of_an_unverified_checkpoint_names_it(run_copy, tiny_recipe_dict):
+    """A damaged file the policy's loader trips on (no manifest to catch it first): a
+    CheckpointError naming the policy directory and the fix, not the loader's raw error."""
+    ckpt = run_copy / "checkpoints" / NEWEST
+    (ckpt / "MANIFEST.json").unlink()
+    (ckpt / "COMPLETE").write_text(f"{NEWEST}\n")
+    _truncate(ckpt / "policy" / "rl_policy_state.pt", 1000)
+    with pytest.warns(CheckpointWarning):
+        trainer = _trainer(tiny_recipe_dict, run_copy)
+    with pytest.raises(CheckpointError) as err:
+        trainer.run()
+    assert str(ckpt / "policy") in str(err.value) and f"delete {ckpt}" in str(err.value)

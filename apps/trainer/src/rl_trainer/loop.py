@@ -408,17 +408,18 @@ class Trainer:
 
     @staticmethod
     def _load_model(model: Any, path: Path) -> None:
-        """``model.load(path)`` with its optimizer; a failure names ``path``. The files passed
-        their checksums, so a failure means a recipe whose model differs from the one saved."""
+        """``model.load(path)`` with its optimizer; a failure is a CheckpointError naming
+        ``path`` (a verified checkpoint fails only for a recipe whose model differs from the
+        saved one; an unverified one, written before manifests, may also be damaged)."""
         try:
             model.load(path, with_optimizer=True)
         except RLError:
             raise
         except Exception as e:  # the backends' loaders raise many types; one meaning here
             raise CheckpointError(
-                f"{path}: cannot be loaded into this run's model ({type(e).__name__}: {e}). "
-                "Resume with the recipe that wrote this checkpoint, or start the run over "
-                "without --resume."
+                f"{path}: cannot be loaded ({type(e).__name__}: {e}). Resume with the recipe "
+                f"that wrote this checkpoint, or delete {path.parent} to resume from the one "
+                "before it."
             ) from e
 
     # ----------------------------------------------------------------------------- pieces
