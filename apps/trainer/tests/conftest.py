@@ -16,7 +16,7 @@ TINY_MODEL = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_recipe_dict():
     """A function ``(run_dir, seed, **sections) -> dict``: a tiny reverse-task recipe (one-layer
     model, 4-token responses, no TensorBoard or progress bar); ``sections`` replace or add

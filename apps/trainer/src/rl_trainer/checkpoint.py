@@ -1,33 +1,71 @@
-"""Atomic checkpoints that resume a run exactly.
+"""Atomic, checksummed checkpoints that resume a run exactly.
 
 Layout::
 
     <run_dir>/checkpoints/step_000040/
-        policy/            weights (Hugging Face format) and optimizer state
+        policy/            weights (Hugging Face format), optimizer state, and for the
+                           Megatron policy its distributed checkpoint (policy/megatron_dist/)
+        critic/            the critic, when the run has one
         trainer_state.pt   step, phase, weight version, data cursors, buffer, RNG states
-        COMPLETE           written last
+        MANIFEST.json      relative path, size and xxh3_128 of every file above
+        COMPLETE           written last: the directory name and the manifest's xxh3_128
 
-A checkpoint is written into ``.tmp-step_000040``, every file fsynced, ``COMPLETE`` written, and
-the directory renamed into place; readers only trust directories that hold ``COMPLETE``.
+A checkpoint is written into ``.tmp-step_000040``: the models and the trainer state, then every
+file is hashed and fsynced, the manifest written, ``COMPLETE`` written, and the directory renamed
+into place. Readers only consider directories that hold ``COMPLETE``.
+
+Every byte of a checkpoint is covered: each file by its size and checksum in the manifest, the
+manifest by the checksum in ``COMPLETE``, and ``COMPLETE`` by its exact expected contents. A file
+the manifest does not list is damage too (a loader could read it). :func:`resume_checkpoint`
+checks the newest checkpoint with :func:`verify_checkpoint` before anything is loaded; a damaged
+one is either skipped for the newest intact one (``checkpoint.on_damaged: fallback``, with a
+warning naming each damaged file) or refused (``refuse``) with a :class:`CheckpointError`.
+
+Checkpoints written before manifests existed (``COMPLETE`` holds only the directory name and there
+is no ``MANIFEST.json``) cannot be verified; they are resumed with a :class:`CheckpointWarning`
+saying so, and the run's next checkpoint has a manifest.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+import xxhash
 
 from rl_core.errors import CheckpointError
 
-__all__ = ["capture_rng", "latest_checkpoint", "restore_rng", "write_checkpoint"]
+__all__ = [
+    "CheckpointWarning",
+    "Verdict",
+    "capture_rng",
+    "latest_checkpoint",
+    "load_trainer_state",
+    "restore_rng",
+    "resume_checkpoint",
+    "verify_checkpoint",
+    "write_checkpoint",
+]
 
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+MANIFEST_FORMAT = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+_CHUNK = 8 << 20  # bytes read at a time while hashing
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped as damaged, or resumed without a manifest to verify it against."""
 
 
 def capture_rng() -> dict[str, Any]:
@@ -46,16 +84,67 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ----------------------------------------------------------------------------- files and hashes
+def _hash_file(path: Path, *, fsync: bool = False) -> tuple[int, str]:
+    """Size in bytes and xxh3_128 hex digest of ``path`` (fsynced after reading if asked)."""
+    h = xxhash.xxh3_128()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return size, h.hexdigest()
+
+
+def _payload_files(checkpoint: Path) -> Iterator[str]:
+    """Relative POSIX paths of every file under ``checkpoint`` but the manifest and marker."""
+    for p in sorted(checkpoint.rglob("*")):
+        rel = p.relative_to(checkpoint).as_posix()
+        if rel not in (MARKER, MANIFEST) and not p.is_dir():
+            yield rel
+
+
+def _fsync_dirs(root: Path) -> None:
+    for d in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _marker_text(name: str, manifest_digest: str) -> str:
+    return f"{name}\n{MANIFEST} xxh3_128={manifest_digest}\n"
+
+
+def _write_manifest(directory: Path, name: str) -> None:
+    """Hash and fsync every file of ``directory``, then write the manifest and the marker."""
+    files = []
+    for rel in _payload_files(directory):
+        size, digest = _hash_file(directory / rel, fsync=True)
+        files.append({"path": rel, "size": size, "xxh3_128": digest})
+    manifest = json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1) + "\n"
+    for fname, text in (
+        (MANIFEST, manifest),
+        (MARKER, _marker_text(name, xxhash.xxh3_128_hexdigest(manifest.encode()))),
+    ):
+        with (directory / fname).open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_dirs(directory)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """``step_<N>`` directories under ``root`` holding a marker, oldest first (by N)."""
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir() and (p / MARKER).exists()
+    ]
+    return [p for _, p in sorted(found)]
 
 
 def write_checkpoint(
@@ -66,7 +155,8 @@ def write_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write checkpoint ``step_index`` atomically and prune all but the newest ``keep``.
+    """Write checkpoint ``step_index`` atomically with its manifest and prune all but the newest
+    ``keep``.
 
     ``save_models`` maps a sub-directory name (``policy``, ``critic``) to the function that writes
     that model into it.
@@ -82,9 +172,7 @@ def write_checkpoint(
     for name_, save in save_models.items():
         save(tmp / name_)
     torch.save(trainer_state, tmp / "trainer_state.pt")
-    _fsync_tree(tmp)
-    (tmp / MARKER).write_text(name + "\n")
-    _fsync_tree(tmp)
+    _write_manifest(tmp, name)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -93,23 +181,182 @@ def write_checkpoint(
         os.fsync(fd)
     finally:
         os.close(fd)
-    done = sorted(p for p in root.glob("step_*") if (p / MARKER).exists())
+    done = _step_dirs(root)
     for old in done[: max(0, len(done) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of ``run_dir`` (partial ones are ignored)."""
+    """The newest complete checkpoint of ``run_dir`` (partial ones are ignored; not verified)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return None
-    done = sorted(p for p in root.glob("step_*") if (p / MARKER).exists())
+    done = _step_dirs(root)
     return done[-1] if done else None
+
+
+# ----------------------------------------------------------------------------- verification
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What :func:`verify_checkpoint` found in one checkpoint."""
+
+    checkpoint: Path
+    """The checkpoint directory."""
+    problems: tuple[str, ...]
+    """One line per damaged, missing or stray file, each starting with the file's path."""
+    verified: bool
+    """False for a checkpoint written before manifests existed: nothing could be checked."""
+
+    @property
+    def intact(self) -> bool:
+        """No problem found."""
+        return not self.problems
+
+
+def verify_checkpoint(checkpoint: Path) -> Verdict:
+    """Check every file of a complete ``checkpoint`` against its manifest.
+
+    Sizes are compared first, then the xxh3_128 of each file whose size matches. Files the
+    manifest lists but the directory lacks, and files the directory holds but the manifest does
+    not list, are problems too.
+    """
+    marker, manifest_path = checkpoint / MARKER, checkpoint / MANIFEST
+    try:
+        marker_bytes = marker.read_bytes()
+        manifest_bytes = manifest_path.read_bytes() if manifest_path.exists() else None
+    except OSError as e:
+        return Verdict(checkpoint, (f"{e.filename}: unreadable ({e.strerror})",), True)
+    if manifest_bytes is None:
+        if marker_bytes == f"{checkpoint.name}\n".encode():
+            return Verdict(checkpoint, (), False)  # written before manifests existed
+        return Verdict(checkpoint, (f"{manifest_path}: missing ({marker} records one)",), True)
+    manifest_digest = xxhash.xxh3_128_hexdigest(manifest_bytes)
+    if marker_bytes != _marker_text(checkpoint.name, manifest_digest).encode():
+        recorded = re.search(rb"xxh3_128=([0-9a-f]{32})\n", marker_bytes)
+        if (
+            recorded is None
+            or marker_bytes != _marker_text(checkpoint.name, recorded.group(1).decode()).encode()
+        ):
+            problem = (
+                f"{marker}: damaged marker (expected {_marker_text(checkpoint.name, '<hex>')!r}, "
+                f"found {marker_bytes[:200]!r})"
+            )
+        else:
+            problem = (
+                f"{manifest_path}: xxh3_128 {manifest_digest}, but {marker} records "
+                f"{recorded.group(1).decode()} (the manifest or the marker is damaged)"
+            )
+        return Verdict(checkpoint, (problem,), True)
+    manifest = json.loads(manifest_bytes)  # intact: its checksum matched
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(
+            f"{manifest_path}: manifest format {manifest.get('format')!r}, this rl-trainer reads "
+            f"format {MANIFEST_FORMAT}; resume with the rl-trainer version that wrote it."
+        )
+    problems = []
+    listed = set()
+    for entry in manifest["files"]:
+        rel, size, digest = entry["path"], entry["size"], entry["xxh3_128"]
+        listed.add(rel)
+        path = checkpoint / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing (the manifest lists {size} bytes)")
+            continue
+        actual_size = path.stat().st_size
+        if actual_size != size:
+            problems.append(f"{path}: {actual_size} bytes, the manifest says {size}")
+            continue
+        try:
+            _, actual = _hash_file(path)
+        except OSError as e:
+            problems.append(f"{path}: unreadable ({e.strerror})")
+            continue
+        if actual != digest:
+            problems.append(f"{path}: xxh3_128 {actual}, the manifest says {digest}")
+    problems.extend(
+        f"{checkpoint / rel}: not in the manifest (a stray file a loader could read)"
+        for rel in _payload_files(checkpoint)
+        if rel not in listed
+    )
+    return Verdict(checkpoint, tuple(problems), True)
+
+
+def _set_aside(checkpoint: Path) -> Path:
+    """Rename a damaged checkpoint to ``damaged-<name>`` (kept for inspection, never resumed)."""
+    target = checkpoint.with_name(f"damaged-{checkpoint.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = checkpoint.with_name(f"damaged-{checkpoint.name}-{n}")
+    checkpoint.rename(target)
+    return target
+
+
+def resume_checkpoint(
+    run_dir: Path, *, on_damaged: Literal["fallback", "refuse"] = "fallback"
+) -> Path | None:
+    """The newest intact checkpoint of ``run_dir`` to resume from (None if it has none at all).
+
+    Each complete checkpoint is verified, newest first. A damaged one raises a
+    :class:`CheckpointError` naming its damaged files when ``on_damaged`` is ``"refuse"``; with
+    ``"fallback"`` it is renamed to ``damaged-<name>`` (so neither this resume nor pruning ever
+    picks it up again), a :class:`CheckpointWarning` names its damaged files, and the next older
+    one is tried. Raises :class:`CheckpointError` when every checkpoint is damaged.
+    """
+    root = run_dir / "checkpoints"
+    candidates = _step_dirs(root) if root.is_dir() else []
+    if not candidates:
+        return None
+    damaged: list[Verdict] = []
+    chosen: Verdict | None = None
+    for ckpt in reversed(candidates):
+        verdict = verify_checkpoint(ckpt)
+        if verdict.intact:
+            chosen = verdict
+            break
+        if on_damaged == "refuse":
+            raise CheckpointError(
+                f"{ckpt}: damaged checkpoint, not resumed:\n  "
+                + "\n  ".join(verdict.problems)
+                + f"\nDelete {ckpt} to resume from the checkpoint before it, or set "
+                "checkpoint.on_damaged=fallback to do that automatically."
+            )
+        damaged.append(verdict)
+    if chosen is None:
+        raise CheckpointError(
+            f"{root}: every checkpoint is damaged, nothing to resume:\n  "
+            + "\n  ".join(p for v in damaged for p in v.problems)
+            + f"\nRestore {root} from a copy, or start the run over without --resume."
+        )
+    for verdict in damaged:
+        aside = _set_aside(verdict.checkpoint)
+        warnings.warn(
+            f"{verdict.checkpoint}: damaged checkpoint, not resumed (kept as {aside}):\n  "
+            + "\n  ".join(verdict.problems)
+            + f"\nResuming from {chosen.checkpoint} instead.",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    if not chosen.verified:
+        warnings.warn(
+            f"{chosen.checkpoint}: written before checkpoints had a {MANIFEST}; resuming from it "
+            "unverified. The run's next checkpoint is checksummed.",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return chosen.checkpoint
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     """Read ``trainer_state.pt`` of a complete checkpoint."""
     if not (checkpoint / MARKER).exists():
         raise CheckpointError(f"{checkpoint}: incomplete checkpoint (no {MARKER} marker).")
-    return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    path = checkpoint / "trainer_state.pt"
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # unpickling raises many types; all mean the same thing here
+        raise CheckpointError(
+            f"{path}: cannot be read ({type(e).__name__}: {e}). Delete {checkpoint} to resume "
+            "from the checkpoint before it."
+        ) from e

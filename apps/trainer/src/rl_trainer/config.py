@@ -282,6 +282,12 @@ class CheckpointConfig:
     """Save every N steps (SFT and RL steps count alike); 0 saves only at the end."""
     keep: int = 2
     """Keep the newest K checkpoints."""
+    on_damaged: Literal["fallback", "refuse"] = "fallback"
+    """What ``--resume`` does when the newest checkpoint fails its checksums (a file truncated,
+    flipped, missing, or not in its manifest): ``fallback`` warns naming each damaged file,
+    renames the checkpoint to ``damaged-step_N`` and resumes from the newest intact one;
+    ``refuse`` stops with a ``CheckpointError`` naming the damaged files. Damaged state is never
+    loaded."""
 
 
 @dataclass(kw_only=True, slots=True)

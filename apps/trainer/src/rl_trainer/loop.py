@@ -57,14 +57,14 @@ from rl_core.algorithms import (
 )
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.config import ComponentSpec, from_dict, to_dict
-from rl_core.errors import ConfigError, RLError
+from rl_core.errors import CheckpointError, ConfigError, RLError
 from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer.checkpoint import (
     capture_rng,
-    latest_checkpoint,
     load_trainer_state,
     restore_rng,
+    resume_checkpoint,
     write_checkpoint,
 )
 from rl_trainer.config import TrainerConfig
@@ -410,8 +410,10 @@ class Trainer:
         return savers
 
     def _restore(self) -> None:
-        """Read the newest checkpoint's trainer state; the policy is loaded when its phase starts."""
-        ckpt = latest_checkpoint(self.run_dir)
+        """Read the newest intact checkpoint's trainer state (every file is verified against the
+        checkpoint's manifest first; ``checkpoint.on_damaged`` says what a damaged one does); the
+        policy is loaded when its phase starts."""
+        ckpt = resume_checkpoint(self.run_dir, on_damaged=self.config.checkpoint.on_damaged)
         if ckpt is None:
             return  # nothing to resume: start fresh (the run was killed before its first checkpoint)
         st = load_trainer_state(ckpt)
@@ -429,15 +431,32 @@ class Trainer:
         if self._resume_from is None:
             return
         ckpt, st = self._resume_from, self._resume_state
-        self.policy.load(ckpt / "policy", with_optimizer=True)
+        self._load_model(self.policy, ckpt / "policy")
         if self.critic is not None:
-            self.critic.load(ckpt / "critic", with_optimizer=True)
+            self._load_model(self.critic, ckpt / "critic")
         if self.policy.version != st["policy_version"]:
-            raise RLError(
-                f"{ckpt}: policy version {self.policy.version} != recorded {st['policy_version']}."
+            raise CheckpointError(
+                f"{ckpt}: policy version {self.policy.version} != recorded "
+                f"{st['policy_version']}; resume with the recipe that wrote this checkpoint."
             )
         restore_rng(st["rng"])
         self._resume_from = None
+
+    @staticmethod
+    def _load_model(model: Any, path: Path) -> None:
+        """``model.load(path)`` with its optimizer; a failure is a CheckpointError naming
+        ``path`` (a verified checkpoint fails only for a recipe whose model differs from the
+        saved one; an unverified one, written before manifests, may also be damaged)."""
+        try:
+            model.load(path, with_optimizer=True)
+        except RLError:
+            raise
+        except Exception as e:  # the backends' loaders raise many types; one meaning here
+            raise CheckpointError(
+                f"{path}: cannot be loaded ({type(e).__name__}: {e}). Resume with the recipe "
+                f"that wrote this checkpoint, or delete {path.parent} to resume from the one "
+                "before it."
+            ) from e
 
     # ----------------------------------------------------------------------------- pieces
     async def _publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
