@@ -474,6 +474,20 @@ def _check_light_components(cfg: TrainerConfig) -> None:
             known = {f.name for f in dataclasses.fields(config_cls)}
             options = {**{k: v for k, v in defaults.items() if k in known}, **spec.options}
             from_dict(config_cls, options, path=where)
+    # The algorithm's and the tiny model's settings, as the trainer reads them.
+    from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss, ValueLoss
+    from rl_core.reference.tiny import TinyModelSpec
+
+    alg = cfg.algorithm
+    est = ADVANTAGE_ESTIMATORS.get(alg.advantage) or registry.resolve(
+        registry.GROUPS["advantage"], alg.advantage, field="algorithm.advantage"
+    )
+    if isinstance(est, type) and hasattr(est, "Config"):
+        from_dict(est.Config, alg.advantage_options, path="algorithm.advantage_options")
+    from_dict(PolicyLoss.Config, alg.loss, path="algorithm.loss")
+    from_dict(ValueLoss.Config, alg.value_loss, path="algorithm.value_loss")
+    if cfg.model.init is not None:
+        from_dict(TinyModelSpec, {"seed": cfg.seed, **cfg.model.init}, path="model.init")
 
 
 def _check_eval(ev: EvalConfig) -> None:

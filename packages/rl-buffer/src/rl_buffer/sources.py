@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from rl_core.config import InputPath
+from rl_core.config import InputPath, PositiveInt, Seed
 from rl_core.errors import CheckpointError, ConfigError, DataError
 from rl_core.interfaces import DataSource, Tokenizer
 from rl_core.types import Prompt
@@ -90,11 +90,11 @@ class SourceConfig:
     """Extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``)."""
     add_special_tokens: bool = True
     """For plain text without a chat template: let the tokenizer add its special tokens (BOS)."""
-    max_prompt_tokens: int | None = None
+    max_prompt_tokens: PositiveInt | None = None
     """Prompts with more tokens are dropped (counted and logged), never truncated."""
     shuffle: bool = True
     """Shuffle the records every epoch."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the shuffle; epoch ``e`` uses the permutation seeded by ``(seed, e)``."""
 
     def __post_init__(self) -> None:
@@ -468,7 +468,7 @@ class MixtureSource(DataSource):
     class Config:
         """Options of :class:`MixtureSource` (the children are built by the caller)."""
 
-        seed: int = 0
+        seed: Seed = 0
         """Seed of the per-draw source choice."""
         name: str = "mix"
         """Prefix of the mixed prompts' uids (``f"{name}/{child}:{child_uid}"``), which keeps

@@ -45,10 +45,12 @@ __all__ = [
     "NonNegFloat",
     "NonNegInt",
     "OptimizerConfig",
+    "Port",
     "PositiveFloat",
     "PositiveInt",
     "Probability",
     "Range",
+    "Seed",
     "allowed_range",
     "apply_overrides",
     "check_ranges",
@@ -123,6 +125,10 @@ NonNegFloat = Annotated[float, Range(ge=0)]
 """A coefficient or margin that may be 0 (often "off")."""
 Probability = Annotated[float, Range(ge=0, le=1)]
 """A probability or fraction in [0, 1]."""
+Seed = Annotated[int, Range(ge=0, lt=2**32)]
+"""A random seed (numpy takes seeds in [0, 2**32))."""
+Port = Annotated[int, Range(ge=0, le=65535)]
+"""A TCP port; 0 usually means "pick a free one"."""
 
 
 def _split_annotated(tp: Any) -> tuple[Any, tuple[Any, ...]]:
