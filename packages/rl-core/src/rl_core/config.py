@@ -225,6 +225,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return value
     base, meta = _split_annotated(tp)
     if meta:
+        if isinstance(value, float) and math.isnan(value):  # name the range, not the type
+            for m in meta:
+                if isinstance(m, Range):
+                    m.check(value, path)
         out = _convert(base, value, path)
         if out is None:
             return None
@@ -327,7 +331,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool) and value == value:
             return float(value)
-        raise _fail(path, "float", value)
+        raise _fail(path, "a number" if value != value else "float", value)
     if tp is str:
         if isinstance(value, str):
             return str(value)

@@ -30,7 +30,9 @@ __all__ = [
     "CodeRef",
     "InputPath",
     "Located",
+    "absolute_path",
     "base_dir_of",
+    "check_target",
     "is_file_ref",
     "locate",
     "resolve_code_ref",
@@ -101,8 +103,17 @@ def base_dir_of(value: str) -> Path:
     return base if base is not None else Path.cwd()
 
 
-def _absolute(value: str) -> Path:
-    p = Path(value).expanduser()
+def _expand(value: str) -> Path:
+    """``value`` as a path with ``~`` expanded (kept as written when there is no such home)."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # ~user that does not exist, or no HOME
+        return Path(value)
+
+
+def absolute_path(value: str) -> Path:
+    """``value`` (``~`` expanded) made absolute against :func:`base_dir_of` it."""
+    p = _expand(value)
     return p if p.is_absolute() else base_dir_of(value) / p
 
 
@@ -113,11 +124,11 @@ def resolve_input_path(value: str, marker: InputPath, field: str) -> str:
         raise ConfigError(f"{field}: empty; set the path of the file or directory to read.")
     m = _SLICE_SUFFIX.match(str(value))
     path, suffix = (m["path"], m["slice"] or "") if m else (str(value), "")
-    resolved = _absolute(Located(path, base_dir_of(value)))
+    resolved = absolute_path(Located(path, base_dir_of(value)))
     if marker.must_exist and not resolved.exists():
         where = (
             f"relative paths resolve against {_origin(value)}"
-            if not Path(path).expanduser().is_absolute()
+            if not _expand(path).is_absolute()
             else "the path is absolute"
         )
         hint = f" {marker.hint}" if marker.hint else ""
@@ -144,6 +155,22 @@ def is_file_ref(target: str) -> bool:
     return target.endswith(".py") or "/" in target
 
 
+def check_target(target: str, ref: str, error: type[Exception], field: str = "") -> None:
+    """Raise ``error`` unless ``target`` is a ``.py`` file path or a dotted module name."""
+    where = f"{field}: " if field else ""
+    if is_file_ref(target):
+        if not target.endswith(".py"):
+            raise error(
+                f"{where}{str(ref)!r}: {target!r} is not a Python file; a code file ends in .py "
+                "('path/to/file.py:attr')."
+            )
+    elif not all(part.isidentifier() for part in target.split(".")):
+        raise error(
+            f"{where}{str(ref)!r}: {target!r} is not a module name; write "
+            "'package.module:attr' or 'path/to/file.py:attr'."
+        )
+
+
 def resolve_code_ref(ref: str, field: str) -> str:
     """A ComponentSpec ``type`` or :class:`CodeRef` value with its file made absolute.
 
@@ -161,8 +188,9 @@ def resolve_code_ref(ref: str, field: str) -> str:
             f"{field}: {str(ref)!r} is not a code reference; write 'package.module:attr' or "
             "'path/to/file.py:attr'."
         )
+    check_target(target, ref, ConfigError, field)
     if is_file_ref(target):
-        path = _absolute(Located(target, base_dir_of(ref)))
+        path = absolute_path(Located(target, base_dir_of(ref)))
         if not path.is_file():
             raise ConfigError(
                 f"{field}: code file {str(path)!r} does not exist (from {str(ref)!r}; relative "

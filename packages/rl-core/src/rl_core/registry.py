@@ -24,7 +24,14 @@ from typing import Any
 
 from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import BackendNotFoundError, ConfigError
-from rl_core.locations import base_dir_of, is_file_ref, split_ref
+from rl_core.locations import (
+    Located,
+    absolute_path,
+    base_dir_of,
+    check_target,
+    is_file_ref,
+    split_ref,
+)
 
 __all__ = [
     "GROUPS",
@@ -74,10 +81,9 @@ def load_object(ref: str) -> Any:
         raise BackendNotFoundError(
             f"{str(ref)!r}: expected 'package.module:attr' or 'path/to/file.py:attr'."
         )
+    check_target(target, ref, BackendNotFoundError)
     if is_file_ref(target):
-        path = Path(target).expanduser()
-        if not path.is_absolute():
-            path = base_dir_of(ref) / path
+        path = absolute_path(Located(target, base_dir_of(ref)))
         obj: Any = _import_file(path.resolve(), ref)
         where = f"file {str(path)!r}"
     else:
