@@ -35,6 +35,7 @@ from rl_core.config import (
     load_config_file,
 )
 from rl_core.errors import ConfigError
+from rl_core.locations import absolute_path
 from rl_core.types import SamplingParams
 
 __all__ = [
@@ -446,6 +447,11 @@ def load_trainer_config(
     return cfg
 
 
+def _inside(path: Any, directory: Path) -> bool:
+    """Whether ``path`` (a string as a recipe gives it) resolves inside ``directory``."""
+    return isinstance(path, str) and bool(path) and absolute_path(path).is_relative_to(directory)
+
+
 def _check_light_components(cfg: TrainerConfig) -> None:
     """Resolve the components that are cheap to import and check their options (types, ranges,
     data paths), so a typo fails at load rather than after the model is built. The model
@@ -465,9 +471,10 @@ def _check_light_components(cfg: TrainerConfig) -> None:
         ("data_source", ds.data, f"eval.datasets[{i}].data", {})
         for i, ds in enumerate(cfg.eval.datasets)
     ]
+    run_dir = Path(cfg.run_dir).absolute()
     for kind, spec, where, defaults in specs:
-        if spec is None:
-            continue
+        if spec is None or (kind == "data_source" and _inside(spec.options.get("path"), run_dir)):
+            continue  # data the run writes itself (a task's splits) is checked when it is read
         obj = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{where}.type")
         config_cls = getattr(obj, "Config", None) if isinstance(obj, type) else None
         if config_cls is not None:
