@@ -164,7 +164,7 @@ def check_target(target: str, ref: str, error: type[Exception], field: str = "")
                 f"{where}{str(ref)!r}: {target!r} is not a Python file; a code file ends in .py "
                 "('path/to/file.py:attr')."
             )
-    elif not all(part.isidentifier() for part in target.split(".")):
+    elif not all(target.split(".")):  # "..", ".a", "a.": a relative or broken name
         raise error(
             f"{where}{str(ref)!r}: {target!r} is not a module name; write "
             "'package.module:attr' or 'path/to/file.py:attr'."
