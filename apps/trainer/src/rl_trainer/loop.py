@@ -62,6 +62,7 @@ from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer.checkpoint import (
     capture_rng,
+    latest_checkpoint,
     load_trainer_state,
     restore_rng,
     resume_checkpoint,

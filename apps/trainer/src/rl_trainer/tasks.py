@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_core.config import NonNegInt, PositiveInt, Probability, Seed
 from rl_core.errors import ConfigError
 from rl_core.types import Prompt, Rollout
 
@@ -92,17 +93,17 @@ class ReverseTask(Task):
     class Config:
         """Settings of the reverse task."""
 
-        n_train: int = 4000
+        n_train: PositiveInt = 4000
         """Training examples."""
-        n_eval: int = 128
+        n_eval: PositiveInt = 128
         """Held-out examples (never in the training split)."""
-        min_len: int = 3
+        min_len: PositiveInt = 3
         """Shortest string."""
-        max_len: int = 6
+        max_len: PositiveInt = 6
         """Longest string."""
         alphabet: str = "abcdefghij"
         """Letters to draw from."""
-        seed: int = 1234
+        seed: Seed = 1234
         """Seed of the data (independent of the run seed, so splits are stable)."""
 
     def __init__(self, config: Config) -> None:
@@ -132,13 +133,13 @@ class AdditionTask(Task):
     class Config:
         """Settings of the addition task."""
 
-        n_train: int = 4000
+        n_train: PositiveInt = 4000
         """Training examples."""
-        n_eval: int = 128
+        n_eval: PositiveInt = 128
         """Held-out examples."""
-        max_digits: int = 2
+        max_digits: PositiveInt = 2
         """Digits per operand at most."""
-        seed: int = 1234
+        seed: Seed = 1234
         """Seed of the data."""
 
     def __init__(self, config: Config) -> None:
@@ -186,17 +187,17 @@ class CalculatorTask(Task):
     class Config:
         """Settings of the calculator task."""
 
-        n_train: int = 4000
+        n_train: PositiveInt = 4000
         """Training examples."""
-        n_eval: int = 128
+        n_eval: PositiveInt = 128
         """Held-out examples (never in the training split)."""
-        min_value: int = 10
+        min_value: NonNegInt = 10
         """Smallest operand."""
-        max_value: int = 99
+        max_value: NonNegInt = 99
         """Largest operand."""
-        direct_fraction: float = 0.0
+        direct_fraction: Probability = 0.0
         """Share of training labels that answer directly, without a tool call."""
-        seed: int = 1234
+        seed: Seed = 1234
         """Seed of the data."""
 
     def __init__(self, config: Config) -> None:

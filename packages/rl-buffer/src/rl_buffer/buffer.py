@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from rl_core.config import NonNegInt, PositiveInt
 from rl_core.errors import CheckpointError, ConfigError
 from rl_core.interfaces import Buffer
 from rl_core.serde import group_from_dict, group_to_dict, prompt_from_dict, prompt_to_dict
@@ -50,7 +51,7 @@ class GroupBuffer(Buffer):
     class Config:
         """Options of :class:`GroupBuffer`."""
 
-        max_staleness: int | None = None
+        max_staleness: NonNegInt | None = None
         """With ``take(policy_version=p)``, return only groups whose oldest token is from version
         ``p - max_staleness`` or newer (0: strictly on-policy). ``None``: no bound from the policy
         version (an explicit ``min_version`` still applies)."""
@@ -61,7 +62,7 @@ class GroupBuffer(Buffer):
         """On ``take``, zero ``loss_mask`` on response tokens whose version is older than the
         newest version in the same rollout (the tokens generated before a partial rollout was
         resumed)."""
-        max_groups: int | None = None
+        max_groups: PositiveInt | None = None
         """Cap on stored trainable groups; ``put`` beyond it drops the oldest (counted). ``None``:
         unbounded."""
 

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rl_core.config import NonNegFloat, PositiveInt, Probability
 from rl_core.errors import ConfigError
 from rl_core.interfaces import GroupFilter
 from rl_core.types import Group, RolloutStatus
@@ -47,7 +48,7 @@ class RewardStdFilter:
     class Config:
         """Options of :class:`RewardStdFilter`."""
 
-        min_std: float = 1e-6
+        min_std: NonNegFloat = 1e-6
         """Keep a group only if the (population) standard deviation of its rewards exceeds this."""
 
         def __post_init__(self) -> None:
@@ -77,10 +78,10 @@ class OverlongFilter:
     class Config:
         """Options of :class:`OverlongFilter`."""
 
-        max_response_tokens: int | None = None
+        max_response_tokens: PositiveInt | None = None
         """Count a rollout as over-long above this many response tokens (``None``: only the
         ``truncated`` status counts)."""
-        max_truncated_fraction: float = 0.0
+        max_truncated_fraction: Probability = 0.0
         """Keep the group while at most this fraction of its rollouts is over-long (0: any
         over-long rollout drops the group)."""
 
@@ -115,7 +116,7 @@ class FailedStatusFilter:
     class Config:
         """Options of :class:`FailedStatusFilter`."""
 
-        max_failed_fraction: float = 0.0
+        max_failed_fraction: Probability = 0.0
         """Keep the group while at most this fraction of its rollouts failed or was aborted."""
 
         def __post_init__(self) -> None:

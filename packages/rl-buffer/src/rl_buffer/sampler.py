@@ -22,9 +22,10 @@ import math
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from rl_buffer.filters import apply_filters
+from rl_core.config import PositiveInt, Range
 from rl_core.errors import ConfigError, RLError
 from rl_core.interfaces import GroupFilter
 from rl_core.serde import group_from_dict, group_to_dict
@@ -45,15 +46,15 @@ class DynamicSampler:
     class Config:
         """Options of :class:`DynamicSampler`."""
 
-        batch_size: int
+        batch_size: PositiveInt
         """Kept groups per optimizer step."""
-        over_sampling_factor: float = 1.0
+        over_sampling_factor: Annotated[float, Range(ge=1)] = 1.0
         """Multiply each request by this (>= 1) on top of the observed keep rate."""
-        min_keep_rate: float = 0.05
+        min_keep_rate: Annotated[float, Range(gt=0, le=1)] = 0.05
         """Floor of the keep-rate estimate, so one bad round does not ask for a huge request."""
-        max_request: int | None = None
+        max_request: PositiveInt | None = None
         """Upper bound on one request (prompts); ``None``: no bound."""
-        max_rounds: int = 64
+        max_rounds: PositiveInt = 64
         """Rounds per step before :class:`SamplingExhaustedError` is raised."""
 
         def __post_init__(self) -> None:

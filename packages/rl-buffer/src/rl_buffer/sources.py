@@ -39,10 +39,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 
+from rl_core.config import InputPath, PositiveInt, Seed
 from rl_core.errors import CheckpointError, ConfigError, DataError, RLError
 from rl_core.interfaces import DataSource, Tokenizer
 from rl_core.types import Prompt
@@ -86,9 +87,10 @@ def parse_sliced_path(path: str) -> tuple[str, slice]:
 class SourceConfig:
     """Options shared by every file-backed prompt source."""
 
-    path: str
+    path: Annotated[str, InputPath()]
     """File (or dataset directory) to read; ``path@[a:b]`` keeps records ``a`` to ``b`` (Python
-    slice semantics over the records in file order)."""
+    slice semantics over the records in file order). A relative path resolves against the
+    recipe's directory."""
     name: str | None = None
     """Source name used in prompt uids and metrics; default: the file name without suffix."""
     input_key: str = "prompt"
@@ -106,11 +108,11 @@ class SourceConfig:
     """Extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``)."""
     add_special_tokens: bool = True
     """For plain text without a chat template: let the tokenizer add its special tokens (BOS)."""
-    max_prompt_tokens: int | None = None
+    max_prompt_tokens: PositiveInt | None = None
     """Prompts with more tokens are dropped (counted and logged), never truncated."""
     shuffle: bool = True
     """Shuffle the records every epoch."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the shuffle; epoch ``e`` uses the permutation seeded by ``(seed, e)``."""
     chat_roles: tuple[str, ...] = CHAT_ROLES
     """Roles chat messages may use; add a role (e.g. ``developer``, ``ipython``) only if your
@@ -631,7 +633,7 @@ class MixtureSource(DataSource):
     class Config:
         """Options of :class:`MixtureSource` (the children are built by the caller)."""
 
-        seed: int = 0
+        seed: Seed = 0
         """Seed of the per-draw source choice."""
         name: str = "mix"
         """Prefix of the mixed prompts' uids (``f"{name}/{child}:{child_uid}"``), which keeps

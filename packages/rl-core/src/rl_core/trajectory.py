@@ -64,6 +64,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rl_core.config import PositiveInt
 from rl_core.errors import ConfigError, DataError
 from rl_core.interfaces import Tokenizer
 from rl_core.types import FinishReason, GenerationResult, Rollout, RolloutStatus, SamplingParams
@@ -112,7 +113,7 @@ class TrajectoryBuilder:
     class Config:
         """Options of a :class:`TrajectoryBuilder`."""
 
-        max_length: int | None = None
+        max_length: PositiveInt | None = None
         """Budget on all tokens (prompt + response); ``None`` for no budget."""
         allow_empty_model_turn: bool = False
         """Accept a model turn with no token (e.g. an engine aborted before sampling); by default

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from rl_core.config import OptimizerConfig
+from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, PositiveInt, Seed
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
@@ -78,20 +78,20 @@ class MegatronPolicy(Policy):
 
         model_path: str
         """Hugging Face model directory (``config.json``, safetensors weights, tokenizer)."""
-        temperature: float = 1.0
+        temperature: PositiveFloat = 1.0
         """Logits are divided by it before log-softmax; set it to the sampling temperature."""
-        tp_size: int = 1
+        tp_size: PositiveInt = 1
         """Tensor-parallel size; must divide the key/value heads."""
-        pp_size: int = 1
+        pp_size: PositiveInt = 1
         """Pipeline-parallel size; must divide the number of layers (even split)."""
-        dp_size: int = 0
+        dp_size: NonNegInt = 0
         """Data-parallel size; 0 derives it as world size / (tp_size * pp_size), any other
         value must equal that."""
         use_distributed_optimizer: bool = False
         """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
         dtype: Literal["float32", "bfloat16"] = "float32"
         """Parameter dtype; ``bfloat16`` (fp32 main weights in the optimizer) needs a GPU."""
-        make_vocab_size_divisible_by: int = 128
+        make_vocab_size_divisible_by: PositiveInt = 128
         """The vocabulary is padded to a multiple of this times ``tp_size`` (padding is masked
         out of every softmax and trimmed from exported weights)."""
         megatron_args: dict[str, Any] = field(default_factory=dict)
@@ -99,7 +99,7 @@ class MegatronPolicy(Policy):
         ``DistributedDataParallelConfig`` or ``OptimizerConfig`` (e.g.
         ``{"recompute_granularity": "selective"}``); validated when the policy is built.
         Architecture fields come from ``config.json`` and are refused here."""
-        seed: int = 0
+        seed: Seed = 0
         """Seed of Megatron's model-parallel RNG tracker."""
 
         def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from rl_core.config import Port, PositiveFloat
 from rl_core.errors import ConfigError, WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
@@ -93,13 +94,13 @@ class SGLangCollectiveTransport(WeightTransport):
         """``gloo`` (CPU tensors) or ``nccl`` (GPU)."""
         master_address: str = "127.0.0.1"
         """Address of this (trainer) process as the servers reach it."""
-        port: int = 0
+        port: Port = 0
         """Rendezvous port; 0 picks a free one for each group."""
         group_name: str = "rl_weight_update"
         """Prefix of the group names (a counter is appended per group)."""
         device: str = "cpu"
         """Device of the broadcast tensors (``cuda`` with NCCL)."""
-        timeout_s: float = 300.0
+        timeout_s: PositiveFloat = 300.0
         """Rendezvous and collective timeout."""
 
         def __post_init__(self) -> None:

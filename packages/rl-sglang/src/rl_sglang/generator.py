@@ -56,6 +56,7 @@ from typing import Any, ClassVar
 import aiohttp
 import torch
 
+from rl_core.config import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.types import FinishReason, GenerationRequest, GenerationResult, WeightUpdate
@@ -128,7 +129,7 @@ class SGLangGenerator(Generator):
         """Hugging Face checkpoint the launched servers serve (also read for EOS and vocab)."""
         server_urls: tuple[str, ...] = ()
         """Attach to these running servers instead of launching (not owned: never stopped)."""
-        num_servers: int = 1
+        num_servers: PositiveInt = 1
         """Servers to launch when ``server_urls`` is empty."""
         python: str | None = None
         """Interpreter with SGLang; ``None``: the venv of ``scripts/setup_sglang_env.sh``."""
@@ -141,7 +142,7 @@ class SGLangGenerator(Generator):
         """Address launched servers and the router bind to."""
         log_dir: str | None = None
         """Server and router logs (and their working directory); ``None``: a temporary dir."""
-        startup_timeout_s: float = 600.0
+        startup_timeout_s: PositiveFloat = 600.0
         """Longest wait for a launched server to answer ``/health_generate``."""
         use_router: bool = False
         """Launch the SGLang router in front of the servers for ``/generate`` traffic."""
@@ -149,19 +150,19 @@ class SGLangGenerator(Generator):
         """Send ``/generate`` through this running router instead (not owned)."""
         router_policy: str = "round_robin"
         """Policy of a launched router."""
-        max_concurrency: int = 64
+        max_concurrency: PositiveInt = 64
         """Requests in flight per server."""
-        request_timeout_s: float = 600.0
+        request_timeout_s: PositiveFloat = 600.0
         """Longest a single ``/generate`` call may take before it is retried."""
-        max_retries: int = 3
+        max_retries: NonNegInt = 3
         """Retries of a failing request before it returns ABORT with no tokens."""
-        retry_backoff_s: float = 0.5
+        retry_backoff_s: NonNegFloat = 0.5
         """First retry delay; doubles each retry."""
-        health_interval_s: float = 5.0
+        health_interval_s: NonNegFloat = 5.0
         """Seconds between health probes; 0 disables the monitor."""
-        health_timeout_s: float = 60.0
+        health_timeout_s: PositiveFloat = 60.0
         """A probe slower than this counts as a failure (hung server)."""
-        health_failures: int = 3
+        health_failures: PositiveInt = 3
         """Consecutive failed probes that take a server out of rotation."""
         restart_dead_servers: bool = True
         """Restart launched servers that died or hung (attached ones are waited for)."""
@@ -172,11 +173,11 @@ class SGLangGenerator(Generator):
         ``False`` sends SGLang's ``ignore_eos``, which makes SGLang ignore *every* stop id, so
         responses end only at ``max_new_tokens``; requests (or ``extra_stop_token_ids``) with
         stop ids are then refused rather than silently run past their stops."""
-        extra_stop_token_ids: tuple[int, ...] = ()
+        extra_stop_token_ids: tuple[NonNegInt, ...] = ()
         """More stop ids for every request."""
-        seed: int = 0
+        seed: Seed = 0
         """Seeds the seeds of requests that carry none."""
-        initial_version: int = 0
+        initial_version: NonNegInt = 0
         """Weight version of the starting weights (stamped on the servers)."""
 
         def __post_init__(self) -> None:

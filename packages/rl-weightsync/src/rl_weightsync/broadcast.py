@@ -28,11 +28,12 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from rl_core.config import NonNegInt, Port, PositiveFloat, PositiveInt, Range
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
@@ -61,21 +62,21 @@ class BroadcastTransport(WeightTransport):
     class Config:
         """Settings of :class:`BroadcastTransport`."""
 
-        rank: int
+        rank: NonNegInt
         """0 for the sender (trainer source rank), 1..world_size-1 for receivers."""
-        world_size: int
+        world_size: Annotated[int, Range(ge=2)]
         """Sender plus receivers (>= 2)."""
         host: str = "127.0.0.1"
         """Address of the sender's TCP store."""
-        port: int = 29600
+        port: Port = 29600
         """Port of the sender's TCP store."""
         group_name: str = "rl_weightsync"
         """Key prefix in the store (several transports can share one store)."""
         device: str = "cpu"
         """Device of the broadcast buffers; ``cuda`` selects NCCL, ``cpu`` gloo."""
-        bucket_bytes: int = 256 << 20
+        bucket_bytes: PositiveInt = 256 << 20
         """Bytes per broadcast bucket (a larger tensor travels alone)."""
-        timeout_s: float = 300.0
+        timeout_s: PositiveFloat = 300.0
         """Connection, handshake and collective timeout in seconds."""
 
     def __init__(self, config: Config) -> None:

@@ -41,13 +41,14 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import numpy as np
 import torch
 import zstandard
 from safetensors.torch import load_file, save_file
 
+from rl_core.config import NonNegInt, PositiveInt, Range
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTarget, WeightTransport
 from rl_core.types import WeightUpdate
@@ -274,24 +275,24 @@ class DiskDeltaTransport(WeightTransport):
         """Hugging Face checkpoint the engines started from: seeds the sender's snapshot and the
         receivers' local checkpoint as version ``base_version``. ``None``: the first publish is
         written in full."""
-        base_version: int = 0
+        base_version: NonNegInt = 0
         """Version of ``base_checkpoint``."""
         encoding: str = "xor"
         """``xor`` (apply exactly once) or ``overwrite`` (positions + values; idempotent)."""
-        zstd_level: int = 1
+        zstd_level: Annotated[int, Range(ge=-131072, le=22)] = 1
         """zstd compression level of the delta payloads."""
         checksum: str = "xxh3_128"
         """Checksum of each changed tensor's new bytes."""
         serve_dtype: str | None = None
         """Dtype the engine serves (e.g. ``"bfloat16"``): deltas are taken after casting floating
         tensors to it, so fp32 master weights do not inflate the deltas."""
-        full_every: int = 0
+        full_every: NonNegInt = 0
         """Write a full checkpoint every this many versions (0: only when there is no base)."""
-        keep_versions: int = 4
+        keep_versions: PositiveInt = 4
         """Versions kept in ``directory``; the newest full checkpoint is always kept."""
-        num_threads: int = 2
+        num_threads: PositiveInt = 2
         """Threads encoding / decoding tensors in parallel."""
-        max_shard_bytes: int = 5 << 30
+        max_shard_bytes: PositiveInt = 5 << 30
         """Largest safetensors shard of a full version."""
         assets_dir: str | Path | None = None
         """Config/tokenizer files copied into full versions (default: ``base_checkpoint``)."""

@@ -31,6 +31,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 from safetensors import safe_open
 
+from rl_core.config import PositiveInt
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTarget, WeightTransport
 from rl_core.types import WeightUpdate
@@ -216,13 +217,13 @@ class DiskFullTransport(WeightTransport):
 
         directory: str | Path
         """Shared sync directory (sender writes, receivers read); created if missing."""
-        keep_versions: int = 2
+        keep_versions: PositiveInt = 2
         """Complete versions kept; older ones are removed after each publish (>= 1)."""
         assets_dir: str | Path | None = None
         """Hugging Face checkpoint whose config and tokenizer files are copied into each version."""
         asset_patterns: tuple[str, ...] = field(default_factory=lambda: DEFAULT_ASSET_PATTERNS)
         """Glob patterns of the files copied from ``assets_dir``."""
-        max_shard_bytes: int = 5 << 30
+        max_shard_bytes: PositiveInt = 5 << 30
         """Largest safetensors shard; more bytes produce shards plus an index."""
         serve_dtype: str | None = None
         """Cast floating tensors to this dtype (``"bfloat16"``) before writing; ``None`` keeps them."""

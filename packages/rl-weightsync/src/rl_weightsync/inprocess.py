@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from rl_core.config import PositiveInt
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
@@ -48,7 +49,7 @@ class InProcessTransport(WeightTransport):
     class Config:
         """Settings of :class:`InProcessTransport`."""
 
-        keep_versions: int = 2
+        keep_versions: PositiveInt = 2
         """How many of the newest published versions stay available to receivers (>= 1)."""
         device: str | None = "cpu"
         """Where copies are kept; ``None`` keeps each tensor on its own device."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_core.agents.server import AgentServer
-from rl_core.config import from_dict
+from rl_core.config import PositiveFloat, from_dict
 from rl_core.errors import ConfigError, RewardError
 from rl_core.interfaces import Generator, RolloutContext
 from rl_core.types import Prompt, Rollout
@@ -74,7 +74,7 @@ class AgentRollout:
         a worker thread; async: awaited)."""
         command: list[str] | None = None
         """A subprocess to run per session (see the module docstring)."""
-        timeout_s: float = 600.0
+        timeout_s: PositiveFloat = 600.0
         """Seconds one session may take; then it fails (a subprocess is killed)."""
         server: dict[str, Any] | None = None
         """Options of :class:`~rl_core.agents.server.AgentServer.Config` (host, port, max_turns,

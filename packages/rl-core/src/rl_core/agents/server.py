@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl_core.agents.chat import ChatFormat, ParsedCompletion
 from rl_core.agents.session import Session, TurnRecord
+from rl_core.config import Port, PositiveInt
 from rl_core.errors import ConfigError, DataError, GenerationError, RLError
 from rl_core.interfaces import Generator, Tokenizer
 from rl_core.types import FinishReason, GenerationRequest, Rollout, SamplingParams
@@ -71,7 +72,7 @@ class AgentServer:
 
         host: str = "127.0.0.1"
         """Interface to bind (loopback by default: agents run on this machine)."""
-        port: int = 0
+        port: Port = 0
         """TCP port; 0 picks a free one (read :attr:`AgentServer.base_url`)."""
         model_name: str = "policy"
         """The model id reported by ``/v1/models`` and in responses (any requested name is
@@ -79,9 +80,9 @@ class AgentServer:
         client_sampling: bool = False
         """Let clients set temperature/top_p (off: the session's sampling is used, so log-probs
         are the trained policy's at the training temperature)."""
-        max_turns: int | None = 64
+        max_turns: PositiveInt | None = 64
         """Completions per session at most (protects against agents that loop)."""
-        max_context_tokens: int | None = None
+        max_context_tokens: PositiveInt | None = None
         """Prompt + completion tokens per request at most; ``None``: no limit besides the
         engine's."""
         chat: ChatFormat.Config = field(default_factory=ChatFormat.Config)

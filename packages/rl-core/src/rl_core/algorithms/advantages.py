@@ -52,6 +52,7 @@ from rl_core.algorithms._segments import (
     ragged_lengths,
     uncompact,
 )
+from rl_core.config import NonNegFloat, Probability
 from rl_core.errors import ConfigError, DataError
 from rl_core.types import AdvantageInputs
 
@@ -215,7 +216,7 @@ def _token_rewards(
 
 
 def grpo_advantages(
-    inputs: AdvantageInputs, *, eps: float = 1e-6, std_unbiased: bool = True
+    inputs: AdvantageInputs, *, eps: NonNegFloat = 1e-6, std_unbiased: bool = True
 ) -> list[torch.Tensor]:
     """GRPO: ``(r - group mean) / (group std + eps)`` on each masked response token.
 
@@ -251,7 +252,11 @@ def rloo_advantages(inputs: AdvantageInputs) -> list[torch.Tensor]:
 
 
 def reinforce_pp_advantages(
-    inputs: AdvantageInputs, *, gamma: float = 1.0, kl_coef: float = 0.0, whiten: bool = True
+    inputs: AdvantageInputs,
+    *,
+    gamma: Probability = 1.0,
+    kl_coef: NonNegFloat = 0.0,
+    whiten: bool = True,
 ) -> list[torch.Tensor]:
     """REINFORCE++: discounted return of ``-kl_coef KL_t`` (+ ``r`` at the last masked token),
     then masked whitening across the step (``whiten=False`` returns the raw returns)."""
@@ -266,7 +271,7 @@ def reinforce_pp_advantages(
 
 
 def reinforce_pp_baseline_advantages(
-    inputs: AdvantageInputs, *, kl_coef: float = 0.0, whiten: bool = True
+    inputs: AdvantageInputs, *, kl_coef: NonNegFloat = 0.0, whiten: bool = True
 ) -> list[torch.Tensor]:
     """REINFORCE++-baseline: ``(r - group mean) - kl_coef KL_t`` on masked tokens, then masked
     whitening across the step."""
@@ -285,7 +290,11 @@ def reinforce_pp_baseline_advantages(
 
 
 def compute_gae(
-    inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0
+    inputs: AdvantageInputs,
+    *,
+    gamma: Probability = 1.0,
+    lam: Probability = 1.0,
+    kl_coef: NonNegFloat = 0.0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """GAE over the masked tokens of each rollout; returns ``(advantages, returns)``, each N
     tensors ``[R_i]`` (0 off the mask). Needs ``inputs.values`` (critic values ``V_t``).
@@ -333,7 +342,7 @@ class GRPO:
     class Config:
         """Settings of :class:`GRPO`."""
 
-        eps: float = 1e-6
+        eps: NonNegFloat = 1e-6
         """Added to the group std before dividing."""
         std_unbiased: bool = True
         """Bessel-corrected std (``n - 1``, as ``torch.std``); ``False`` divides by ``n``."""
@@ -387,9 +396,9 @@ class ReinforcePP:
     class Config:
         """Settings of :class:`ReinforcePP`."""
 
-        gamma: float = 1.0
+        gamma: Probability = 1.0
         """Discount per masked token, in [0, 1]."""
-        kl_coef: float = 0.0
+        kl_coef: NonNegFloat = 0.0
         """Weight of the per-token KL penalty in the reward; > 0 needs ``AdvantageInputs.kl``."""
         whiten: bool = True
         """Whiten the returns over the step's masked tokens (REINFORCE++ requires it)."""
@@ -413,7 +422,7 @@ class ReinforcePPBaseline:
     class Config:
         """Settings of :class:`ReinforcePPBaseline`."""
 
-        kl_coef: float = 0.0
+        kl_coef: NonNegFloat = 0.0
         """Weight of the per-token KL penalty; > 0 needs ``AdvantageInputs.kl``."""
         whiten: bool = True
         """Whiten over the step's masked tokens."""
@@ -434,11 +443,11 @@ class GAE:
     class Config:
         """Settings of :class:`GAE`."""
 
-        gamma: float = 1.0
+        gamma: Probability = 1.0
         """Discount per masked token, in [0, 1]."""
-        lam: float = 1.0
+        lam: Probability = 1.0
         """GAE lambda, in [0, 1]."""
-        kl_coef: float = 0.0
+        kl_coef: NonNegFloat = 0.0
         """Weight of the per-token KL penalty in the reward; > 0 needs ``AdvantageInputs.kl``."""
         whiten: bool = False
         """Whiten the advantages over the step's masked tokens (returns are left as they are)."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import torch
 
@@ -55,6 +55,7 @@ from rl_core.algorithms.correction import (
     logprob_mismatch,
 )
 from rl_core.algorithms.kl import KL_KINDS, kl_estimate
+from rl_core.config import NonNegFloat, PositiveFloat, Range
 from rl_core.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -110,18 +111,18 @@ class PolicyLoss:
         variant: str = "ppo"
         """``ppo`` (token ratio), ``gspo`` (sequence ratio) or ``cispo`` (clipped IS weight on
         ``logp``)."""
-        eps_clip_low: float = 0.2
+        eps_clip_low: NonNegFloat = 0.2
         """Lower clip: the ratio is clipped at ``1 - eps_clip_low``."""
-        eps_clip_high: float | None = None
+        eps_clip_high: NonNegFloat | None = None
         """Upper clip: ``1 + eps_clip_high``; ``None`` uses ``eps_clip_low`` (DAPO's clip-higher
         sets it larger, e.g. 0.28)."""
-        dual_clip_c: float | None = None
+        dual_clip_c: Annotated[float, Range(gt=1)] | None = None
         """Dual-clip constant ``c > 1``: for negative advantages the loss is at most ``-c A``."""
         entropy_coef: float = 0.0
         """Entropy bonus weight (the loss subtracts ``entropy_coef * H``); > 0 needs entropy."""
         log_entropy: bool = True
         """Ask the policy for the entropy even without a bonus, to log it (metric ``entropy``)."""
-        kl_coef: float = 0.0
+        kl_coef: NonNegFloat = 0.0
         """KL-loss weight against ``TrainBatch.ref_logprobs``; > 0 needs ref log-probs."""
         kl_type: str = "low_var_kl"
         """KL estimator: ``k1``, ``k2``, ``k3`` or ``low_var_kl``."""
@@ -129,9 +130,9 @@ class PolicyLoss:
         """Train/inference mismatch correction: ``none``, ``tis``, ``mis`` or ``icepop``."""
         correction_level: str = "token"
         """``token``, ``sequence`` (product of ratios) or ``geometric`` (geometric mean)."""
-        correction_clip_low: float = 0.0
+        correction_clip_low: NonNegFloat = 0.0
         """Lower bound of the mismatch weight."""
-        correction_clip_high: float = 2.0
+        correction_clip_high: NonNegFloat = 2.0
         """Upper bound of the mismatch weight."""
 
         def __post_init__(self) -> None:
@@ -424,7 +425,7 @@ class ValueLoss:
     class Config:
         """Settings of :class:`ValueLoss`."""
 
-        clip: float | None = 0.2
+        clip: PositiveFloat | None = 0.2
         """Value clipping range around the old values; ``None`` turns clipping off."""
 
         def __post_init__(self) -> None:

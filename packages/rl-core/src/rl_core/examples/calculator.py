@@ -32,7 +32,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Annotated
 
+from rl_core.config import PositiveInt, Range
 from rl_core.errors import ConfigError
 from rl_core.interfaces import RolloutContext
 from rl_core.trajectory import TrajectoryBuilder
@@ -101,9 +103,9 @@ class CalculatorRollout:
     class Config:
         """Options of :class:`CalculatorRollout`."""
 
-        max_turns: int = 4
+        max_turns: PositiveInt = 4
         """Model turns per trajectory at most (tool calls at most ``max_turns - 1``)."""
-        max_length: int = 1024
+        max_length: Annotated[int, Range(ge=2)] = 1024
         """Token budget of a trajectory (prompt included)."""
         observation_template: str = "= {result}\n"
         """Text appended after a call; ``{result}`` is the tool's answer."""

@@ -52,10 +52,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 
+from rl_core.config import NonNegInt, PositiveInt, Range, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.types import (
@@ -107,17 +108,17 @@ class HFGenerator(Generator):
         """Torch device of the model."""
         attn_implementation: str = "sdpa"
         """transformers attention kernel: ``sdpa`` or ``eager``."""
-        max_batch_size: int = 64
+        max_batch_size: PositiveInt = 64
         """Most requests decoded together in one forward."""
-        seed: int = 0
+        seed: Seed = 0
         """Seeds the per-request seeds of requests that carry none."""
         stop_on_eos: bool = True
         """Treat the tokenizer's (or model config's) EOS and PAD ids as stop tokens."""
-        extra_stop_token_ids: tuple[int, ...] = ()
+        extra_stop_token_ids: tuple[NonNegInt, ...] = ()
         """More stop token ids for every request (on top of each request's own)."""
-        compact_fraction: float = 0.25
+        compact_fraction: Annotated[float, Range(gt=0, le=1)] = 0.25
         """Compact the batch and its KV cache when this share of its rows finished (1 = never)."""
-        initial_version: int = 0
+        initial_version: NonNegInt = 0
         """Weight version reported before the first update."""
 
         def __post_init__(self) -> None:

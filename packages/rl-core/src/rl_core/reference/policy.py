@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from rl_core.config import OptimizerConfig
+from rl_core.config import OptimizerConfig, PositiveFloat, Seed
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
@@ -51,7 +51,7 @@ def token_logprobs(
     tokens_T: torch.Tensor,
     starts_T: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: PositiveFloat = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token under the logits of the position before it, and that entropy.
@@ -106,7 +106,7 @@ class HFPolicy(Policy):
 
         model_path: str
         """Hugging Face model directory (``config.json``, weights, tokenizer files)."""
-        temperature: float = 1.0
+        temperature: PositiveFloat = 1.0
         """Logits are divided by it before log-softmax, in ``compute_logprobs`` and
         ``train_step``; set it to the rollout sampling temperature."""
         dtype: Literal["float32", "bfloat16"] = "float32"
@@ -117,7 +117,7 @@ class HFPolicy(Policy):
         cross-check)."""
         device: str = "cpu"
         """Torch device for the model and optimizer state."""
-        seed: int = 0
+        seed: Seed = 0
         """Seeds the (private) RNG of each ``train_step`` as ``seed + version``; with dropout
         off nothing random runs today, but stochastic layers stay reproducible."""
 

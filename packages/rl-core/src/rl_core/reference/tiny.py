@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rl_core.config import PositiveInt, Seed
 from rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,21 +32,21 @@ class TinyModelSpec:
 
     arch: Literal["qwen2", "llama"] = "qwen2"
     """Hugging Face ``model_type``: ``"qwen2"`` (q/k/v biases) or ``"llama"`` (no biases)."""
-    hidden_size: int = 64
+    hidden_size: PositiveInt = 64
     """Model width."""
-    num_layers: int = 2
+    num_layers: PositiveInt = 2
     """Transformer layers."""
-    num_heads: int = 4
+    num_heads: PositiveInt = 4
     """Query heads; ``hidden_size`` must be divisible by it."""
-    num_kv_heads: int = 2
+    num_kv_heads: PositiveInt = 2
     """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
-    intermediate_size: int = 128
+    intermediate_size: PositiveInt = 128
     """SwiGLU MLP width."""
     tie_word_embeddings: bool = True
     """Share the embedding matrix with the LM head."""
-    max_position_embeddings: int = 4096
+    max_position_embeddings: PositiveInt = 4096
     """Longest sequence the rotary embedding is configured for."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the random initialisation."""
 
     def __post_init__(self) -> None:

@@ -31,9 +31,9 @@ import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from rl_core.config import ComponentSpec
+from rl_core.config import ComponentSpec, Range
 from rl_core.errors import ConfigError, RewardError
 from rl_core.interfaces import RewardFn
 from rl_core.types import Prompt, Rollout
@@ -47,7 +47,7 @@ class CombineComponent:
 
     reward: ComponentSpec
     """The reward function: an ``rl.rewards`` name or ``"module:attr"``, plus its options."""
-    weight: float = 1.0
+    weight: Annotated[float, Range()] = 1.0
     """Weight of this component in the sum (may be negative, e.g. a length penalty)."""
 
 

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rl_core.config import Probability
 from rl_core.errors import ConfigError, RewardError
 from rl_core.rewards._common import compile_pattern, extract, normalise
 from rl_core.types import Prompt, Rollout
@@ -42,7 +43,7 @@ class MajorityVote:
         """Regex extracting the answer (last match; group 1 if any); ``None``: whole response."""
         case_sensitive: bool = False
         """Compare answers case-sensitively."""
-        min_share: float = 0.0
+        min_share: Probability = 0.0
         """Minimum share of the group (0..1) the majority answer must have to count."""
 
         def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from rl_core.config import NonNegInt, PositiveInt
 from rl_core.errors import ConfigError, RewardError
 from rl_core.rewards._common import labels_of
 from rl_core.types import Prompt, Rollout
@@ -38,12 +39,12 @@ class MathEquiv:
     class Config:
         """Options of :class:`MathEquiv` (passed to ``math_verify``)."""
 
-        float_rounding: int = 6
+        float_rounding: NonNegInt = 6
         """Decimal places numbers are rounded to before comparison."""
         strict: bool = True
         """``math_verify``'s strict mode: variables and relations must match too (``x = 1`` vs
         ``1`` only compares the right-hand side when ``False``)."""
-        timeout_seconds: int | None = 5
+        timeout_seconds: PositiveInt | None = 5
         """Time limit for parsing and for comparison, each (main thread only); ``None``: none."""
 
         def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.config import NonNegFloat, NonNegInt, PositiveFloat
 from rl_core.errors import ConfigError, RewardError
 from rl_core.types import Prompt, Rollout
 
@@ -53,13 +54,13 @@ class RemoteReward:
 
         url: str
         """Endpoint, ``http://`` or ``https://`` (e.g. ``http://127.0.0.1:8000/score``)."""
-        timeout_seconds: float = 30.0
+        timeout_seconds: PositiveFloat = 30.0
         """Time limit of one HTTP attempt (connect + read)."""
-        max_retries: int = 3
+        max_retries: NonNegInt = 3
         """Extra attempts after a retryable failure (0: try once)."""
-        backoff_seconds: float = 0.5
+        backoff_seconds: NonNegFloat = 0.5
         """Wait before the first retry; doubles each retry."""
-        max_backoff_seconds: float = 8.0
+        max_backoff_seconds: NonNegFloat = 8.0
         """Upper bound on one wait."""
         reward_key: str = "reward"
         """Key of the reward in the service's JSON object."""

@@ -36,11 +36,12 @@ import random
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import pytest
 import torch
 
+from rl_core.config import NonNegFloat, Range, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.testing._base import ConformanceSuite
@@ -148,17 +149,17 @@ class FakeGenerator(Generator):
     class Config:
         """Settings of :class:`FakeGenerator`."""
 
-        vocab_size: int = 64
+        vocab_size: Annotated[int, Range(ge=2)] = 64
         """Number of token ids."""
-        seed: int = 0
+        seed: Seed = 0
         """Seed of the random table and of the seeds of unseeded requests."""
-        scale: float = 2.0
+        scale: NonNegFloat = 2.0
         """Standard deviation of the table's logits (larger = more peaked)."""
         eos_token_id: int | None = None
         """Default stop id; ``None`` means ``vocab_size - 1``. Use -1 for none."""
         eos_logit_offset: float = -4.0
         """Added to the EOS column of the table, so responses are usually long (abort tests)."""
-        step_delay_s: float = 0.0
+        step_delay_s: NonNegFloat = 0.0
         """Sleep per generated token, to simulate a slow engine in tests."""
 
         def __post_init__(self) -> None:

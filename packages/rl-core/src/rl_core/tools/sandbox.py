@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+from rl_core.config import PositiveFloat, PositiveInt
 from rl_core.errors import ConfigError, DataError
 
 __all__ = ["Sandbox", "SandboxResult", "namespaces_available"]
@@ -188,17 +189,17 @@ class Sandbox:
     class Config:
         """Limits of one :meth:`Sandbox.run`."""
 
-        timeout_s: float = 10.0
+        timeout_s: PositiveFloat = 10.0
         """Wall-clock seconds before the process group is killed."""
-        cpu_time_s: int = 10
+        cpu_time_s: PositiveInt = 10
         """CPU seconds (``RLIMIT_CPU``)."""
-        memory_mb: int = 512
+        memory_mb: PositiveInt = 512
         """Address space in MiB (``RLIMIT_AS``); Python itself needs ~30 MiB."""
-        file_size_mb: int = 16
+        file_size_mb: PositiveInt = 16
         """Largest file the code may write, in MiB (``RLIMIT_FSIZE``; also caps stdout/stderr)."""
-        max_open_files: int = 64
+        max_open_files: PositiveInt = 64
         """Open file descriptors at most (``RLIMIT_NOFILE``)."""
-        max_output_bytes: int = 65536
+        max_output_bytes: PositiveInt = 65536
         """Bytes of stdout and of stderr kept in the result."""
         isolation: Literal["auto", "namespace", "rlimits"] = "auto"
         """``namespace``: user + network + mount namespaces (kernel-enforced no-network and
