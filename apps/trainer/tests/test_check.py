@@ -174,3 +174,34 @@ def test_bundled_demo_passes(tmp_path):
         assert r.prompt_text.endswith("=") and r.label == r.prompt_text[:-1][::-1]
         assert r.label_reward == 1.0
     assert not (tmp_path / "run").exists()
+
+
+def test_check_tokenizer_is_the_one_the_trainer_loads(tmp_path):
+    """``model.init``: check's tokenizer (no weights built) renders prompts exactly like the
+    tokenizer the trainer loads from the built ``init_model``."""
+    from transformers import AutoTokenizer
+
+    from rl_trainer.build import init_model_path, load_tokenizer
+    from rl_trainer.config import load_trainer_config
+
+    cfg = load_trainer_config(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "model": {"init": {"hidden_size": 32, "num_layers": 1, "num_heads": 2}},
+            "task": {"type": "reverse"},
+        }
+    )
+    checked = load_tokenizer(cfg)
+    assert not (tmp_path / "run").exists()
+    trained = AutoTokenizer.from_pretrained(init_model_path(cfg))
+    messages = [{"role": "user", "content": "Reverse: abc <|im_end|> é"}]
+    for tok in (checked, trained):
+        assert tok.eos_token_id == trained.eos_token_id
+    render = {"tokenize": False, "add_generation_prompt": True}
+    assert checked.apply_chat_template(messages, **render) == trained.apply_chat_template(
+        messages, **render
+    )
+    text = trained.apply_chat_template(messages, **render)
+    assert checked.encode(text, add_special_tokens=False) == trained.encode(
+        text, add_special_tokens=False
+    )
