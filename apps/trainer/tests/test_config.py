@@ -60,9 +60,8 @@ def test_unknown_backend_and_component_option(tmp_path):
     cfg = load_trainer_config(_recipe(tmp_path, policy={"type": "hf", "learning_rate": 1}))
     with pytest.raises(ConfigError, match=r"policy\.learning_rate: unknown field"):
         Trainer(cfg)
-    cfg = load_trainer_config(_recipe(tmp_path, task={"type": "reverse", "n_train": "x"}))
-    with pytest.raises(ConfigError, match=r"task\.n_train: expected int"):
-        Trainer(cfg)
+    with pytest.raises(ConfigError, match=r"task\.n_train: expected int"):  # at load already
+        load_trainer_config(_recipe(tmp_path, task={"type": "reverse", "n_train": "x"}))
 
 
 def test_malformed_data_line_names_file_and_line(tmp_path):

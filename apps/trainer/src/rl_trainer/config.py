@@ -15,11 +15,25 @@ validated by the component's own ``Config`` when the trainer builds it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from rl_core.config import ComponentSpec, apply_overrides, from_dict, load_config_file
+from rl_core import registry
+from rl_core.config import (
+    CodeRef,
+    ComponentSpec,
+    InputPath,
+    NonNegFloat,
+    NonNegInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    apply_overrides,
+    from_dict,
+    load_config_file,
+)
 from rl_core.errors import ConfigError
 from rl_core.types import SamplingParams
 
@@ -41,13 +55,19 @@ __all__ = [
 ]
 
 
+_HUB_HINT = (
+    "model.path is a local directory; for a Hugging Face Hub model, download it first "
+    "(huggingface-cli download ORG/NAME --local-dir DIR) and set model.path to DIR."
+)
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Where the initial weights and tokenizer come from."""
 
-    path: str | None = None
-    """A Hugging Face model directory. When ``init`` is set and this is empty, the tiny model is
-    built into ``<run_dir>/init_model``."""
+    path: Annotated[str, InputPath(hint=_HUB_HINT)] | None = None
+    """A Hugging Face model directory (relative: to the recipe's directory). When ``init`` is
+    set and this is empty, the tiny model is built into ``<run_dir>/init_model``."""
     init: dict[str, Any] | None = None
     """Build a tiny random model from this spec (fields of
     :class:`rl_core.reference.tiny.TinyModelSpec`) instead of loading one; no downloads."""
@@ -67,15 +87,15 @@ class DataConfig:
 class SamplingConfig:
     """Sampling settings (see :class:`rl_core.types.SamplingParams`)."""
 
-    temperature: float = 1.0
+    temperature: NonNegFloat = 1.0
     """Softmax temperature; 0 is greedy."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Nucleus mass."""
-    top_k: int = 0
+    top_k: NonNegInt = 0
     """Top-k cut; 0 disables it."""
-    max_new_tokens: int = 32
+    max_new_tokens: PositiveInt = 32
     """Response length limit."""
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[NonNegInt] = field(default_factory=list)
     """Extra stop tokens besides the tokenizer's EOS."""
 
     def to_params(self, *, seed: int | None = None) -> SamplingParams:
@@ -94,9 +114,9 @@ class SamplingConfig:
 class RolloutConfig:
     """How groups are generated and kept."""
 
-    prompts_per_step: int = 16
+    prompts_per_step: PositiveInt = 16
     """Groups (prompts) trained on per RL step."""
-    n_samples: int = 8
+    n_samples: PositiveInt = 8
     """Rollouts per prompt (GRPO group size)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling for training rollouts."""
@@ -104,9 +124,9 @@ class RolloutConfig:
     """A custom rollout (``GenerateFn``); default: plain single-turn sampling."""
     filters: list[ComponentSpec] = field(default_factory=list)
     """Group filters (dynamic sampling); dropped groups are replaced by over-sampling."""
-    over_sampling_factor: float = 1.0
+    over_sampling_factor: Annotated[float, Range(ge=1)] = 1.0
     """With filters: ask for this many times the prompts the observed keep rate suggests."""
-    max_rounds: int = 8
+    max_rounds: PositiveInt = 8
     """Generation rounds per step at most when filters drop groups (then the run stops with an
     error naming the filters)."""
 
@@ -115,7 +135,7 @@ class RolloutConfig:
 class AlgorithmConfig:
     """Advantage estimator and loss."""
 
-    advantage: str = "grpo"
+    advantage: Annotated[str, CodeRef()] = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or
     ``module:attr``."""
     advantage_options: dict[str, Any] = field(default_factory=dict)
@@ -125,7 +145,7 @@ class AlgorithmConfig:
     ranges, entropy and KL coefficients, mismatch correction)."""
     aggregation: Literal["token", "sequence", "rollout", "constant"] = "token"
     """How token losses are averaged over the step."""
-    aggregation_constant: float | None = None
+    aggregation_constant: PositiveFloat | None = None
     """Divisor per sequence for ``aggregation: constant`` (Dr.GRPO: the max response length)."""
     use_reference: bool = False
     """Keep a frozen copy of the initial policy for a KL loss (needs ``loss.kl_coef`` > 0)."""
@@ -141,11 +161,11 @@ class AlgorithmConfig:
 class SFTConfig:
     """Optional supervised warm-up on the training labels before RL."""
 
-    steps: int = 0
+    steps: NonNegInt = 0
     """Optimizer steps of warm-up; 0 skips it."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Examples per step."""
-    lr: float | None = None
+    lr: NonNegFloat | None = None
     """Learning rate of the warm-up (default: the policy's). RL starts from the warm-up's
     weights with a fresh optimizer at the policy's learning rate."""
 
@@ -154,9 +174,10 @@ class SFTConfig:
 class RLConfig:
     """The RL phase."""
 
-    steps: int = 100
-    """RL steps (one rollout batch and one optimizer step each)."""
-    max_tokens_per_micro_batch: int = 4096
+    steps: NonNegInt = 100
+    """RL steps (one rollout batch and one optimizer step each); 0 runs only the ``sft``
+    warm-up (a run needs at least one step of either)."""
+    max_tokens_per_micro_batch: PositiveInt = 4096
     """Token cap of one micro-batch."""
     async_generation: bool = False
     """Overlap generation and training: while the policy trains step k (in a trainer thread),
@@ -164,13 +185,13 @@ class RLConfig:
     ``max_staleness`` versions behind. Weights reach the generator between generation rounds
     only (no request is cut short), so runs stay reproducible and resume exactly. Off: generate,
     then train, step by step."""
-    max_staleness: int = 1
+    max_staleness: NonNegInt = 1
     """How many policy versions older than the policy being trained a rollout token may be;
     older groups are never trained on (dropped before they reach the buffer, counted in
     ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
     ahead; 0 reproduces the synchronous run exactly. In the synchronous loop only surplus
     groups carried over by dynamic sampling can be stale (by one version)."""
-    mask_older_than: int | None = None
+    mask_older_than: NonNegInt | None = None
     """Zero the loss on response tokens more than this many versions older than the policy
     being trained (they still count in their group's advantage baseline); ``None`` trains on
     every token within ``max_staleness``. Off-policy tokens can instead be reweighted with
@@ -236,9 +257,9 @@ class EvalConfig:
 class CheckpointConfig:
     """When checkpoints are written."""
 
-    every: int = 0
+    every: NonNegInt = 0
     """Save every N steps (SFT and RL steps count alike); 0 saves only at the end."""
-    keep: int = 2
+    keep: PositiveInt = 2
     """Keep the newest K checkpoints."""
 
 
@@ -256,14 +277,14 @@ class LoggingConfig:
 class RoleResources:
     """Processes of one role on the ``ray`` runtime and what each reserves."""
 
-    count: int = 1
+    count: NonNegInt = 1
     """Processes (Ray actors): SPMD ranks of the policy, or generator engines. A generator
     count of 0 builds the generator in the driver instead: a client of servers managed outside
     Ray (e.g. ``generator: {type: sglang, url: http://router:30000}``) with a file weight
     transport on a shared filesystem."""
-    cpus: float = 1.0
+    cpus: NonNegFloat = 1.0
     """CPUs reserved per process (its placement-group bundle share)."""
-    gpus: float = 0.0
+    gpus: NonNegFloat = 0.0
     """GPUs reserved per process."""
 
 
@@ -278,7 +299,7 @@ class RuntimeConfig:
     address: str | None = None
     """Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); ``None`` starts a
     local cluster (or uses the one this process already started)."""
-    num_cpus: int | None = None
+    num_cpus: PositiveInt | None = None
     """Logical CPUs of a locally started cluster (default: enough for every bundle)."""
     layout: Literal["colocated", "disaggregated"] = "disaggregated"
     """``disaggregated``: policy ranks and generators get separate bundles. ``colocated``:
@@ -295,12 +316,12 @@ class RuntimeConfig:
     release_generator_memory: bool = True
     """Colocated layout, synchronous loop: release generator memory around training (skipped
     when the generator backend has no ``supports_memory_release``)."""
-    generate_timeout_s: float = 300.0
+    generate_timeout_s: PositiveFloat = 300.0
     """A generator call running longer than this counts as hung: the engine is killed, its
     requests retried on the others, and it is restarted and re-synced."""
-    max_generator_restarts: int = 3
+    max_generator_restarts: NonNegInt = 3
     """Engine restarts allowed per run before the run stops with an error."""
-    policy_timeout_s: float | None = None
+    policy_timeout_s: PositiveFloat | None = None
     """Stop the run (with an error naming the rank) when one policy call takes longer;
     ``None`` waits as long as it takes."""
     env: dict[str, str] = field(default_factory=dict)
@@ -313,9 +334,9 @@ class TrainerConfig:
 
     run_dir: str = "runs/default"
     """Where metrics, checkpoints and the final model go."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, lt=2**32)] = 0
     """Seed of every random choice (data order, sampling, initialisation)."""
-    threads: int = 1
+    threads: PositiveInt = 1
     """torch intra-op threads of the trainer process."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where the components run: ``local`` (one process, the default) or ``ray``."""
@@ -327,7 +348,8 @@ class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Prompt sources when no task is set (or to override the task's)."""
     reward: ComponentSpec | None = None
-    """Reward function (``RewardFn``) by registry name or ``module:attr``; default: the task's."""
+    """Reward function (``RewardFn``) by registry name, ``module:attr`` or ``file.py:attr``;
+    default: the task's."""
     group_reward: ComponentSpec | None = None
     """A group reward (``GroupRewardFn``) scoring each prompt's rollouts together, e.g.
     ``{type: majority_vote, answer_pattern: ...}``. When set it is what is trained on; the
@@ -367,14 +389,20 @@ class TrainerConfig:
 def load_trainer_config(
     recipe: str | Path | dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()
 ) -> TrainerConfig:
-    """Build the root config from a recipe file (or dict) plus ``a.b=c`` overrides."""
+    """Build the root config from a recipe file (or dict) plus ``a.b=c`` overrides.
+
+    Every field is checked here, before anything heavy runs: names, types, numeric ranges, that
+    ``model.path``, the data files and the code files named exist, and the options of the light
+    components (data sources, task, rewards, filters, buffer, generate_fn). Relative paths in a
+    recipe file resolve against its directory, those in ``--set`` against the current one.
+    """
     if recipe is None:
         data: dict[str, Any] = {}
     elif isinstance(recipe, dict):
         data = recipe
     else:
         data = load_config_file(recipe)
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, list(overrides), base_dir=Path.cwd())
     if isinstance(data.get("runtime"), str):  # `runtime: ray` is short for `runtime: {type: ray}`
         data = {**data, "runtime": {"type": data["runtime"]}}
     cfg = from_dict(TrainerConfig, data)
@@ -382,15 +410,10 @@ def load_trainer_config(
         raise ConfigError("task: set a built-in task (e.g. {type: reverse}) or data.train.")
     if cfg.model.path is None and cfg.model.init is None:
         raise ConfigError("model: set model.path (a Hugging Face directory) or model.init.")
-    if cfg.rollout.n_samples < 1 or cfg.rollout.prompts_per_step < 1:
-        raise ConfigError("rollout.n_samples and rollout.prompts_per_step must be >= 1.")
-    if cfg.rl.max_staleness < 0:
+    if cfg.rl.steps == 0 and cfg.sft.steps == 0:
         raise ConfigError(
-            f"rl.max_staleness: must be >= 0, got {cfg.rl.max_staleness}; 0 trains on-policy only."
-        )
-    if cfg.rl.mask_older_than is not None and cfg.rl.mask_older_than < 0:
-        raise ConfigError(
-            f"rl.mask_older_than: must be >= 0 or null, got {cfg.rl.mask_older_than}."
+            "rl.steps: 0 with sft.steps: 0 would run nothing; set rl.steps >= 1 (or sft.steps "
+            ">= 1 for a warm-up-only run)."
         )
     if cfg.rl.partial_rollouts and not (cfg.rl.async_generation and cfg.rl.max_staleness >= 1):
         raise ConfigError(
@@ -419,7 +442,38 @@ def load_trainer_config(
             "buffer.max_staleness: the trainer bounds staleness itself; set rl.max_staleness "
             "instead and remove buffer.max_staleness."
         )
+    _check_light_components(cfg)
     return cfg
+
+
+def _check_light_components(cfg: TrainerConfig) -> None:
+    """Resolve the components that are cheap to import and check their options (types, ranges,
+    data paths), so a typo fails at load rather than after the model is built. The model
+    backends (policy, generator, critic, weight transport) are checked by the trainer once it
+    knows the start weights they need."""
+    specs: list[tuple[str, ComponentSpec | None, str, dict[str, Any]]] = [
+        ("data_source", cfg.data.train, "data.train", {"seed": cfg.seed}),
+        ("data_source", cfg.data.eval, "data.eval", {}),
+        ("task", cfg.task, "task", {}),
+        ("reward", cfg.reward, "reward", {}),
+        ("reward", cfg.group_reward, "group_reward", {}),
+        ("buffer", cfg.buffer, "buffer", {}),
+        ("generate_fn", cfg.rollout.generate_fn, "rollout.generate_fn", {}),
+    ]
+    specs += [("filter", f, f"rollout.filters[{i}]", {}) for i, f in enumerate(cfg.rollout.filters)]
+    specs += [
+        ("data_source", ds.data, f"eval.datasets[{i}].data", {})
+        for i, ds in enumerate(cfg.eval.datasets)
+    ]
+    for kind, spec, where, defaults in specs:
+        if spec is None:
+            continue
+        obj = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{where}.type")
+        config_cls = getattr(obj, "Config", None) if isinstance(obj, type) else None
+        if config_cls is not None:
+            known = {f.name for f in dataclasses.fields(config_cls)}
+            options = {**{k: v for k, v in defaults.items() if k in known}, **spec.options}
+            from_dict(config_cls, options, path=where)
 
 
 def _check_eval(ev: EvalConfig) -> None:

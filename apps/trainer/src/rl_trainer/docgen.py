@@ -14,6 +14,7 @@ import itertools
 import typing
 from typing import Any
 
+from rl_core.config import allowed_range
 from rl_trainer import config as config_module
 
 __all__ = ["field_docs", "render"]
@@ -75,8 +76,27 @@ def render() -> str:
         "",
         "Generated from the config dataclasses by `python -m rl_trainer.docgen`; do not edit by hand.",
         "A recipe (YAML or TOML) sets any of these; `--set a.b=c` overrides one field.",
-        "Unknown or ill-typed fields fail with their path. Component sections (`{type: ...}`) take",
-        "the options of the named component's own `Config`.",
+        "Unknown, ill-typed or out-of-range fields fail at load with their path, the value and the",
+        "allowed range (the `allowed` column; every range excludes infinity and NaN). Component",
+        "sections (`{type: ...}`) take the options of the named component's own `Config`.",
+        "",
+        "## Paths and code",
+        "",
+        "- **Relative paths resolve against the recipe's directory**: `model.path`, a data source's",
+        "  `path` (`data.train`, `data.eval`, `eval.datasets[].data`) and code files. Values given",
+        "  with `--set` resolve against the current directory. `run_dir` is an output and stays",
+        "  relative to the current directory. `model.path` and data paths must exist when the",
+        "  config is loaded (the error names the field and the resolved path).",
+        "- **Code by name or by location**: a component `type` (and `algorithm.advantage`) is a",
+        "  registry name (`reverse`, `hf`), `package.module:attr`, or `path/to/file.py:attr`.",
+        "  A module that sits beside the recipe needs no `PYTHONPATH`:",
+        '  `reward: {type: "my_reward:score"}` loads `my_reward.py` from the recipe\'s directory.',
+        "  A file is imported under its module name with its directory on `sys.path` (the one above",
+        "  its outermost package), so it can import the files beside it. Import errors list what was",
+        "  searched.",
+        "- **`--set KEY=VALUE`** reads VALUE as YAML: `--set rl.steps=50`,",
+        "  `--set data.train={type: jsonl, path: x.jsonl}`, `--set rollout.sampling.stop_token_ids=[2]`,",
+        "  `--set critic=null`; anything that is not valid YAML stays a string.",
         "",
     ]
     seen: set[type] = set()
@@ -89,12 +109,15 @@ def render() -> str:
         docs = field_docs(cls)
         title = prefix or "(root)"
         out.extend([f"## `{title}`", "", (inspect.getdoc(cls) or "").split("\n")[0], ""])
-        out.extend(["| field | type | default | meaning |", "|---|---|---|---|"])
+        out.extend(["| field | type | allowed | default | meaning |", "|---|---|---|---|---|"])
+        extras = typing.get_type_hints(cls, include_extras=True)
         nested = []
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
+            allowed = allowed_range(extras[f.name]).replace("|", "\\|")
             out.append(
-                f"| `{f.name}` | `{_type_str(tp)}` | `{_default(f)}` | {docs.get(f.name, '')} |"
+                f"| `{f.name}` | `{_type_str(tp)}` | {allowed} | `{_default(f)}` "
+                f"| {docs.get(f.name, '')} |"
             )
             name = f"{prefix}.{f.name}" if prefix else f.name
             for inner, suffix in _config_classes(tp):

@@ -27,10 +27,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
+from rl_core.config import InputPath
 from rl_core.errors import CheckpointError, ConfigError, DataError
 from rl_core.interfaces import DataSource, Tokenizer
 from rl_core.types import Prompt
@@ -68,9 +69,10 @@ def parse_sliced_path(path: str) -> tuple[str, slice]:
 class SourceConfig:
     """Options shared by every file-backed prompt source."""
 
-    path: str
+    path: Annotated[str, InputPath()]
     """File (or dataset directory) to read; ``path@[a:b]`` keeps records ``a`` to ``b`` (Python
-    slice semantics over the records in file order)."""
+    slice semantics over the records in file order). A relative path resolves against the
+    recipe's directory."""
     name: str | None = None
     """Source name used in prompt uids and metrics; default: the file name without suffix."""
     input_key: str = "prompt"

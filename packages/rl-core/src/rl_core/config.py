@@ -18,20 +18,40 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
+import math
+import re
 import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from rl_core.errors import ConfigError
+from rl_core.locations import (
+    CodeRef,
+    InputPath,
+    locate,
+    resolve_code_ref,
+    resolve_input_path,
+)
 
 __all__ = [
+    "CodeRef",
     "ComponentSpec",
+    "InputPath",
+    "NonNegFloat",
+    "NonNegInt",
     "OptimizerConfig",
+    "PositiveFloat",
+    "PositiveInt",
+    "Probability",
+    "Range",
+    "allowed_range",
     "apply_overrides",
+    "check_ranges",
     "from_dict",
     "load_config_file",
     "parse_override",
@@ -41,37 +61,127 @@ __all__ = [
 T = TypeVar("T")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Range:
+    """Field marker: the numeric domain of an ``int`` or ``float`` field, checked at load.
+
+    ``count: Annotated[int, Range(ge=1)] = 4``; :func:`from_dict` rejects a value outside it with
+    the field's full path, the value and the range (``rollout.n_samples: must be >= 1, got 0``).
+    The aliases below cover the common domains. Infinite and NaN values are outside every range.
+    """
+
+    ge: float | None = None
+    """Inclusive lower bound."""
+    gt: float | None = None
+    """Exclusive lower bound."""
+    le: float | None = None
+    """Inclusive upper bound."""
+    lt: float | None = None
+    """Exclusive upper bound."""
+
+    def __str__(self) -> str:
+        lo = f"[{_num(self.ge)}" if self.ge is not None else None
+        lo = lo or (f"({_num(self.gt)}" if self.gt is not None else None)
+        hi = f"{_num(self.le)}]" if self.le is not None else None
+        hi = hi or (f"{_num(self.lt)})" if self.lt is not None else None)
+        if lo and hi:
+            return f"in {lo}, {hi}"
+        if lo:
+            return f">= {lo[1:]}" if lo[0] == "[" else f"> {lo[1:]}"
+        if hi:
+            return f"<= {hi[:-1]}" if hi[-1] == "]" else f"< {hi[:-1]}"
+        return "finite"
+
+    def contains(self, value: float) -> bool:
+        """Whether ``value`` is finite and inside the range."""
+        return (
+            math.isfinite(value)
+            and (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def check(self, value: float, path: str) -> None:
+        """Raise :class:`ConfigError` naming ``path``, the value and the range when outside."""
+        if not self.contains(value):
+            raise ConfigError(f"{path or '<root>'}: must be {self}, got {value!r}.")
+
+
+def _num(x: float) -> str:
+    """``1`` for 1.0, ``4294967296`` for 2**32, ``1e-08`` for 1e-8."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+PositiveInt = Annotated[int, Range(ge=1)]
+"""A count that must be at least 1."""
+NonNegInt = Annotated[int, Range(ge=0)]
+"""A count that may be 0 (often "off")."""
+PositiveFloat = Annotated[float, Range(gt=0)]
+"""A size, rate or time that must be above 0."""
+NonNegFloat = Annotated[float, Range(ge=0)]
+"""A coefficient or margin that may be 0 (often "off")."""
+Probability = Annotated[float, Range(ge=0, le=1)]
+"""A probability or fraction in [0, 1]."""
+
+
+def _split_annotated(tp: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``Annotated[X, m...]`` -> ``(X, (m...))``; any other type -> ``(tp, ())``."""
+    if get_origin(tp) is Annotated:
+        base, *meta = get_args(tp)
+        return base, tuple(meta)
+    return tp, ()
+
+
+def _markers(tp: Any) -> tuple[Any, ...]:
+    """The Annotated metadata of ``tp`` or of its union members (``PositiveInt | None``)."""
+    base, meta = _split_annotated(tp)
+    if get_origin(base) in (typing.Union, types.UnionType):
+        return meta + tuple(m for a in get_args(base) for m in _split_annotated(a)[1])
+    return meta
+
+
+def allowed_range(tp: Any) -> str:
+    """The domain a field type allows, as the docs show it (``">= 1"``, ``"in [0, 1]"``), or
+    ``""`` when it has no :class:`Range`."""
+    return "; ".join(str(m) for m in _markers(tp) if isinstance(m, Range))
+
+
+def check_ranges(obj: Any, path: str = "") -> None:
+    """Check every :class:`Range`-annotated field of dataclass instance ``obj`` (for configs
+    built in Python, e.g. from ``__post_init__``; :func:`from_dict` checks on its own)."""
+    hints = get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            for m in _markers(hints[f.name]):
+                if isinstance(m, Range):
+                    m.check(value, f"{path}.{f.name}" if path else f.name)
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
     """Adam settings shared by the trainable backends' configs (``HFPolicy.Config``,
     ``MegatronPolicy.Config`` and their critics subclass it)."""
 
-    lr: float = 1e-5
+    lr: NonNegFloat = 1e-5
     """Peak learning rate of Adam with decoupled weight decay (AdamW)."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegFloat = 0.0
     """Decoupled weight decay (Megatron exempts biases and norm weights)."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
     """Adam beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.999
     """Adam beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: PositiveFloat = 1e-8
     """Adam epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegFloat = 1.0
     """Max global gradient norm; 0 turns clipping off (the norm is still reported)."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegInt = 0
     """Linear warmup: optimizer step ``s`` (0-based) uses ``lr * min(1, (s + 1) /
     warmup_steps)``; constant afterwards."""
 
     def __post_init__(self) -> None:
-        if self.lr < 0:
-            raise ConfigError(f"policy.lr: must be >= 0, got {self.lr}.")
-        if self.grad_clip < 0:
-            raise ConfigError(f"policy.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}.")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"policy.warmup_steps: must be >= 0, got {self.warmup_steps}.")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"policy.{name}: must be in [0, 1), got {getattr(self, name)}.")
+        check_ranges(self, "policy")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -83,7 +193,8 @@ class ComponentSpec:
     """
 
     type: str
-    """Registry short name (entry point) or ``"module:attr"``."""
+    """Registry short name (entry point), ``"module:attr"`` or ``"path/to/file.py:attr"``
+    (resolved as in :mod:`rl_core.locations`)."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Everything else in the section, passed to the component's ``Config``."""
 
@@ -99,9 +210,27 @@ def _fail(path: str, expected: str, value: Any) -> ConfigError:
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against type ``tp`` and convert it (e.g. list -> tuple, str -> Path)."""
+    """Check ``value`` against type ``tp`` and convert it (e.g. list -> tuple, str -> Path).
+
+    ``Annotated`` markers apply after the type check: :class:`Range` checks the number,
+    :class:`InputPath` and :class:`CodeRef` resolve the location (see :mod:`rl_core.locations`).
+    """
     if tp is Any or tp is object:
         return value
+    base, meta = _split_annotated(tp)
+    if meta:
+        out = _convert(base, value, path)
+        if out is None:
+            return None
+        for m in meta:
+            if isinstance(m, Range):
+                m.check(out, path)
+            elif isinstance(m, InputPath):
+                resolved = resolve_input_path(value, m, path)
+                out = Path(resolved) if isinstance(out, Path) else resolved
+            elif isinstance(m, CodeRef):
+                out = resolve_code_ref(value, path)
+        return out
     origin = get_origin(tp)
     if origin is typing.Union or origin is types.UnionType:
         args = get_args(tp)
@@ -109,15 +238,17 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             if type(None) in args:
                 return None
             raise _fail(path, " | ".join(_type_name(a) for a in args), value)
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: X's own error (a nested field, a range) says more
+            return _convert(options[0], value, path)
+        for arg in options:
+            arg_base, arg_meta = _split_annotated(arg)
             try:
-                return _convert(arg, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise _fail(path, " | ".join(_type_name(a) for a in args if a is not type(None)), value)
+                out = _convert(arg_base, value, path)
+            except ConfigError:
+                continue
+            return _convert(arg, out, path) if arg_meta else out
+        raise _fail(path, " | ".join(_type_name(a) for a in options), value)
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
@@ -129,16 +260,18 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, ComponentSpec):
             return value
         if isinstance(value, str):
-            return ComponentSpec(type=value)
+            return ComponentSpec(type=resolve_code_ref(value, f"{path}.type"))
         if not isinstance(value, Mapping) or "type" not in value:
             raise ConfigError(
                 f"{path}: expected a table with a 'type' key naming the backend "
                 f'(e.g. {{type = "hf"}}), got {value!r}.'
             )
+        if not isinstance(value["type"], str):
+            raise _fail(f"{path}.type", "a registry name or 'module:attr'", value["type"])
         opts = {k: v for k, v in value.items() if k != "type"}
         if "options" in opts and len(opts) == 1 and isinstance(opts["options"], Mapping):
             opts = dict(opts["options"])
-        return ComponentSpec(type=str(value["type"]), options=opts)
+        return ComponentSpec(type=resolve_code_ref(value["type"], f"{path}.type"), options=opts)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
             return value
@@ -186,12 +319,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return int(value)
         raise _fail(path, "int", value)
     if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, int | float) and not isinstance(value, bool) and value == value:
             return float(value)
         raise _fail(path, "float", value)
     if tp is str:
         if isinstance(value, str):
-            return value
+            return str(value)
         raise _fail(path, "str", value)
     if tp is Path:
         if isinstance(value, str | Path):
@@ -205,14 +338,18 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str = "") -> T:
-    """Build dataclass ``cls`` from plain data, checking names and types recursively.
+    """Build dataclass ``cls`` from plain data, checking names, types and ranges recursively.
 
-    Raises :class:`ConfigError` naming the dotted path of an unknown, missing or ill-typed field.
+    Raises :class:`ConfigError` naming the dotted path of an unknown, missing, ill-typed or
+    out-of-range field. Relative locations (:class:`InputPath`, :class:`CodeRef` and
+    ComponentSpec ``type`` fields) resolve as :mod:`rl_core.locations` describes.
     """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"{cls!r} is not a dataclass type")
+    if data is not None and not isinstance(data, Mapping):
+        raise _fail(path, f"a table for {cls.__name__}", data)
     data = dict(data or {})
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -239,12 +376,12 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str = "") -
 def to_dict(obj: Any) -> Any:
     """Plain-data form of a config (dataclasses, enums, paths and tuples converted)."""
     if isinstance(obj, ComponentSpec):
-        return {"type": obj.type, **{k: to_dict(v) for k, v in obj.options.items()}}
+        return {"type": str(obj.type), **{k: to_dict(v) for k, v in obj.options.items()}}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, enum.Enum):
         return obj.value
-    if isinstance(obj, Path):
+    if isinstance(obj, Path | str):
         return str(obj)
     if isinstance(obj, list | tuple):
         return [to_dict(v) for v in obj]
@@ -253,12 +390,56 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+@functools.cache
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader with YAML 1.2 scalars: ``1e-4`` is a float (YAML 1.1 wants
+    ``1.0e-4`` and hands back the string ``"1e-4"``) and only true/false are booleans (YAML 1.1
+    also reads yes/no/on/off as booleans)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_TAGS]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool",
+        re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+        list("tTfF"),
+    )
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+            |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+            re.VERBOSE,
+        ),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+_YAML11_TAGS = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON recipe into plain data."""
+    """Read a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON recipe into plain data.
+
+    Strings come back as :class:`~rl_core.locations.Located` at the file's directory, so the
+    relative paths and code files a recipe names resolve beside it.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found.")
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read the recipe: {e}.") from e
     try:
         if p.suffix in (".yaml", ".yml"):
             try:
@@ -267,7 +448,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                 raise ConfigError(
                     f"{p}: YAML recipes need PyYAML: pip install 'rl-core[yaml]'."
                 ) from e
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
         elif p.suffix == ".toml":
             data = tomllib.loads(text)
         elif p.suffix == ".json":
@@ -284,41 +465,59 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a table/mapping, got {type(data).__name__}.")
-    return data
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{p}: top-level key {bad[0]!r} is not a name; keys must be strings.")
+    return locate(data, p.absolute().parent)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``a.b.c=value``; the value is read as YAML/JSON-ish (numbers, bools, lists) if it can
-    be, else kept as a string."""
+    """Parse ``a.b.c=value``; the value is read as a YAML value (a number, bool, null, list or
+    ``{key: value}`` mapping), or kept as the plain string when it is not valid YAML."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set rollout.n_samples=8.")
     key, raw = text.split("=", 1)
-    keys = [k for k in key.strip().split(".") if k]
-    if not keys:
-        raise ConfigError(f"--set {text!r}: empty key.")
+    keys = [k.strip() for k in key.strip().split(".")]
+    if not keys or not all(keys):
+        raise ConfigError(
+            f"--set {text!r}: the key must be dotted field names, e.g. rollout.n_samples."
+        )
     raw = raw.strip()
-    value: Any
+    import yaml
+
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        low = raw.lower()
-        if low in ("true", "false"):
-            value = low == "true"
-        elif low in ("null", "none", "~"):
-            value = None
-        else:
-            try:
-                value = tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError:
-                value = raw
-    return keys, value
+        value = yaml.load(raw, Loader=_yaml_loader()) if raw else ""
+    except yaml.YAMLError:
+        return keys, raw
+    if isinstance(value, str) and value.lower() == "none":
+        return keys, None  # Python's spelling of null, as before
+    if isinstance(value, str | int | float | bool | list | dict) or value is None:
+        return keys, value
+    return keys, raw  # dates, timestamps and other YAML-only types stay text
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each ``a.b=c`` override set (creating tables as needed)."""
-    out = json.loads(json.dumps(data, default=str))
+def _copy(data: Any) -> Any:
+    """A deep copy of plain data (tables and lists copied, leaves kept)."""
+    if isinstance(data, Mapping):
+        return {k: _copy(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_copy(v) for v in data]
+    return data
+
+
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Sequence[str], *, base_dir: str | Path | None = None
+) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``a.b=c`` override set (creating tables as needed).
+
+    With ``base_dir`` (the CLI passes the current directory) the values' relative locations
+    resolve against it, whatever directory the recipe is in.
+    """
+    out = _copy(data)
     for text in overrides:
         keys, value = parse_override(text)
+        if base_dir is not None:
+            value = locate(value, base_dir)
         node = out
         for i, k in enumerate(keys[:-1]):
             nxt = node.get(k)

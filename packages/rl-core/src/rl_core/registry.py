@@ -1,4 +1,5 @@
-"""Plugin registry: components by entry-point name, or ``"module:attr"`` for user code.
+"""Plugin registry: components by entry-point name, or ``"module:attr"`` /
+``"path/to/file.py:attr"`` for user code.
 
 Each package declares what it provides as entry points, e.g. in rl-weightsync's pyproject::
 
@@ -6,7 +7,8 @@ Each package declares what it provides as entry points, e.g. in rl-weightsync's 
     disk_delta = "rl_weightsync.disk_delta:DiskDeltaTransport"
 
 A recipe then names it: ``weight_transport: {type: disk_delta, directory: /shared/sync}``.
-``"my_pkg.rewards:exact"`` loads user code directly (only what the config names is imported).
+``"my_pkg.rewards:exact"`` or ``"rewards/exact.py:score"`` loads user code directly (only what
+the config names is imported); see :mod:`rl_core.locations` for where relative names resolve.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import sys
+import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import BackendNotFoundError, ConfigError
+from rl_core.locations import base_dir_of, is_file_ref, split_ref
 
 __all__ = [
     "GROUPS",
@@ -54,22 +60,98 @@ def register(group: str, name: str, obj: Any) -> None:
 
 
 def load_object(ref: str) -> Any:
-    """Import ``"package.module:attr"`` (attr may be dotted)."""
-    if ":" not in ref:
-        raise BackendNotFoundError(f"{ref!r}: expected 'package.module:attr'.")
-    mod_name, attr = ref.split(":", 1)
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise BackendNotFoundError(f"{ref!r}: cannot import module {mod_name!r}: {e}.") from e
+    """Import ``"package.module:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted).
+
+    A relative file path resolves against the reference's directory (its recipe's, see
+    :mod:`rl_core.locations`) or the current directory. A file is imported under its module
+    name: the directory above its outermost package (the file's own directory for a plain
+    file) goes on ``sys.path``, as ``python path/to/file.py`` would do, so it can import the
+    files beside it. Every failure raises :class:`BackendNotFoundError` saying what was searched
+    and how to fix it.
+    """
+    target, attr = split_ref(ref)
+    if not target or not attr:
+        raise BackendNotFoundError(
+            f"{str(ref)!r}: expected 'package.module:attr' or 'path/to/file.py:attr'."
+        )
+    if is_file_ref(target):
+        path = Path(target).expanduser()
+        if not path.is_absolute():
+            path = base_dir_of(ref) / path
+        obj: Any = _import_file(path.resolve(), ref)
+        where = f"file {str(path)!r}"
+    else:
+        obj = _import_module(target, ref)
+        where = f"module {target!r}"
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise BackendNotFoundError(
-                f"{ref!r}: module {mod_name!r} has no attribute {attr!r}."
+                f"{str(ref)!r}: {where} has no attribute {attr!r}; check the name after ':'."
             ) from None
     return obj
+
+
+def _import_failed(ref: str, what: str, e: BaseException) -> BackendNotFoundError:
+    """The error for user code that raised while it was imported, naming its file:line."""
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return BackendNotFoundError(
+        f"{str(ref)!r}: importing {what} raised {type(e).__name__}: {e}{at}; fix that code."
+    )
+
+
+def _import_module(name: str, ref: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and name != e.name and not name.startswith(f"{e.name}."):
+            raise _import_failed(ref, f"module {name!r}", e) from e
+        searched = "\n  ".join(p or "(current directory)" for p in sys.path)
+        raise BackendNotFoundError(
+            f"{str(ref)!r}: cannot import module {name!r}: no {e.name!r} on sys.path, which "
+            f"holds:\n  {searched}\nInstall the package that provides it, put "
+            f"{name.replace('.', '/')}.py beside the recipe, name the file itself "
+            f"('path/to/{name.rsplit('.', 1)[-1]}.py:attr'), or add its directory to PYTHONPATH."
+        ) from None
+    except Exception as e:  # the module's own code raised while it was imported
+        raise _import_failed(ref, f"module {name!r}", e) from e
+
+
+def _import_file(path: Path, ref: str) -> Any:
+    """Import the file at ``path`` under its module name, its import root on ``sys.path``."""
+    if not path.is_file():
+        raise BackendNotFoundError(
+            f"{str(ref)!r}: code file {str(path)!r} does not exist; relative paths resolve "
+            f"against {base_dir_of(ref)}. Fix the path."
+        )
+    root = path.parent
+    parts = [] if path.stem == "__init__" else [path.stem]
+    while (root / "__init__.py").is_file():
+        parts.insert(0, root.name)
+        root = root.parent
+    name = ".".join(parts)
+    if not name.replace(".", "").replace("_", "").isalnum() or not name.isascii():
+        raise BackendNotFoundError(
+            f"{str(ref)!r}: {str(path)!r} would import as {name!r}, which is not a module name; "
+            "rename the file (and its package directories) to Python identifiers."
+        )
+    loaded = sys.modules.get(name)
+    if loaded is None:
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        try:
+            loaded = importlib.import_module(name)
+        except Exception as e:
+            raise _import_failed(ref, f"{str(path)!r}", e) from e
+    found = getattr(loaded, "__file__", None)
+    if found is None or Path(found).resolve() != path:
+        raise BackendNotFoundError(
+            f"{str(ref)!r}: {str(path)!r} would import as module {name!r}, but that name is "
+            f"already {found or 'a namespace package'}; rename the file."
+        )
+    return loaded
 
 
 def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
@@ -83,7 +165,8 @@ def available(group: str) -> list[str]:
 
 def resolve(group: str, name: str, *, field: str = "") -> Any:
     """The object named ``name`` in ``group``: a local registration, an entry point, or a
-    ``"module:attr"`` reference. ``field`` names the config field for the error message."""
+    ``"module:attr"`` / ``"path/to/file.py:attr"`` reference. ``field`` names the config field
+    for the error message."""
     where = f"{field}: " if field else ""
     if name in _LOCAL.get(group, {}):
         return _LOCAL[group][name]
@@ -97,7 +180,8 @@ def resolve(group: str, name: str, *, field: str = "") -> Any:
         known = ", ".join(available(group)) or "none installed"
         raise BackendNotFoundError(
             f"{where}unknown {group} backend {name!r}; installed: {known}. Install the package "
-            "that provides it or use a 'module:attr' reference."
+            "that provides it or name your own code ('package.module:attr' or "
+            "'path/to/file.py:attr')."
         )
     try:
         return eps[name].load()
