@@ -26,8 +26,8 @@ def _write_recipe(
     train_text: str | None = None,
     extra: str = "",
 ) -> Path:
-    """A tiny recipe with its data and reward module in ``tmp_path``; the reward module gets a
-    unique name (and ``tmp_path`` goes on ``sys.path`` through the ``on_path`` fixture)."""
+    """A tiny recipe with its data and reward file beside it in ``tmp_path``, named by relative
+    paths; the reward file gets a unique name (files import under their module name)."""
     module = f"check_reward_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{module}.py").write_text(reward_src)
     lines = "".join(json.dumps(r) + "\n" for r in ROWS)
@@ -39,9 +39,9 @@ def _write_recipe(
 run_dir: {tmp_path / "run"}
 model: {{init: {{hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1}}}}
 data:
-  train: {{type: jsonl, path: {tmp_path / "train.jsonl"}, apply_chat_template: true}}
-  eval: {{type: jsonl, path: {tmp_path / "eval.jsonl"}, apply_chat_template: true}}
-reward: {{type: "{module}:score"}}
+  train: {{type: jsonl, path: train.jsonl, apply_chat_template: true}}
+  eval: {{type: jsonl, path: eval.jsonl, apply_chat_template: true}}
+reward: {{type: "{module}.py:score"}}
 sft: {{steps: 2}}
 {extra}
 """
@@ -51,8 +51,11 @@ sft: {{steps: 2}}
 
 @pytest.fixture
 def on_path(tmp_path, monkeypatch):
-    """Put ``tmp_path`` on ``sys.path`` so recipes can name reward modules written there."""
-    monkeypatch.syspath_prepend(str(tmp_path))
+    """``tmp_path``, with the test run from another directory (relative recipe paths must
+    resolve against the recipe, not the working directory)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     return tmp_path
 
 
@@ -119,7 +122,7 @@ def test_missing_data_file_is_a_problem(on_path, capsys):
     (on_path / "eval.jsonl").unlink()
     rc, out = _check(recipe, capsys)
     assert rc == 1
-    assert "eval.jsonl" in out and "no such file" in out
+    assert "data.eval" in out and str(on_path / "eval.jsonl") in out and "does not" in out
 
 
 def test_config_error_is_a_problem(on_path, capsys):
@@ -147,14 +150,14 @@ def test_label_scoring_below_threshold_is_a_warning(on_path, capsys):
 
 
 def test_extra_eval_dataset_uses_its_own_reward(on_path, capsys):
-    bad = on_path / "bad_reward_mod.py"
+    bad = on_path / f"bad_reward_{uuid.uuid4().hex[:8]}.py"
     bad.write_text("def score(prompt, response, rollout):\n    raise KeyError('x')\n")
     extra = f"""
 eval:
   datasets:
     - name: extra
-      data: {{type: jsonl, path: {on_path / "eval.jsonl"}}}
-      reward: {{type: "bad_reward_mod:score"}}
+      data: {{type: jsonl, path: eval.jsonl}}
+      reward: {{type: "{bad.name}:score"}}
 """
     rc, out = _check(_write_recipe(on_path, extra=extra), capsys)
     assert rc == 1
