@@ -7,12 +7,22 @@ rl-train report runs/demo               # PNG plots of reward, loss and throughp
 rl-train recipes                        # list the bundled recipes
 rl-train new mytask                     # write a working task directory mytask/
 rl-train check mytask/recipe.yaml       # dry run: config, data, prompts, reward (seconds)
+
+Exit status of ``rl-train run``: 0 the run finished; 2 an error in the recipe, data or a
+component (the message says what to fix); :data:`EXIT_STOPPED` (75) SIGTERM or SIGINT stopped
+the run cleanly after writing a checkpoint (the resume command is printed); 128 + N a second
+signal N ended it at once (130 for Ctrl-C twice, 143 for SIGTERM twice), the newest complete
+checkpoint still resumes it; 130 also for Ctrl-C outside the training loop (start-up, report).
+Exit status of ``rl-train check``: 0 no problem found (warnings allowed unless ``--strict``),
+1 problems found (each printed with its fix).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
 import sys
 import time
 from importlib import resources
@@ -20,7 +30,11 @@ from pathlib import Path
 
 from rl_core.errors import RLError
 
-__all__ = ["main", "recipe_path"]
+__all__ = ["EXIT_STOPPED", "main", "recipe_path"]
+
+EXIT_STOPPED = 75
+"""Exit status of a run that a signal stopped cleanly: a checkpoint was written and ``--resume``
+continues it (``EX_TEMPFAIL`` of sysexits.h: "try again later"; not 0, not an error)."""
 
 
 def recipe_path(name_or_path: str) -> Path:
@@ -42,9 +56,20 @@ def recipe_path(name_or_path: str) -> Path:
     )
 
 
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run from its newest checkpoint."""
+    words = ["rl-train", "run", args.recipe, "--resume"]
+    for item in args.set or []:
+        words += ["--set", item]
+    if args.no_report:
+        words.append("--no-report")
+    return shlex.join(words)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from rl_trainer.config import load_trainer_config
     from rl_trainer.loop import Trainer
+    from rl_trainer.metrics import count_steps
 
     cfg = load_trainer_config(recipe_path(args.recipe), args.set or [])
     t0 = time.perf_counter()
@@ -52,15 +77,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     records = trainer.run()
     wall = time.perf_counter() - t0
     evals = [r for r in records if "eval/reward_mean" in r]
+    steps = count_steps(records)
     summary = {
         "run_dir": cfg.run_dir,
         "wall_time_s": round(wall, 1),
-        "steps_this_run": len(records),
+        "sft_steps_this_run": steps.get("sft", 0),
+        "rl_steps_this_run": steps.get("rl", 0),
+        "sft_step": trainer.state["sft_step"],
+        "rl_step": trainer.state["rl_step"],
     }
     if evals:
         summary["first_eval_reward"] = evals[0]["eval/reward_mean"]
         summary["last_eval_reward"] = evals[-1]["eval/reward_mean"]
     print(json.dumps(summary))
+    if trainer.stopped_by is not None:
+        name = signal.Signals(trainer.stopped_by).name
+        print(
+            f"stopped by {name} after SFT step {trainer.state['sft_step']}/{cfg.sft.steps}, "
+            f"RL step {trainer.state['rl_step']}/{cfg.rl.steps}; checkpoint: "
+            f"{trainer.stop_checkpoint}\nresume with: {_resume_command(args)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_STOPPED
     if not args.no_report:
         from rl_trainer.report import write_report
 
@@ -150,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except RLError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, report)
+        print("interrupted outside the training loop; no checkpoint written.", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ from rl_trainer.rollout import (
     generate_groups,
     generate_groups_resumable,
 )
+from rl_trainer.stopping import StopSignals
 
 __all__ = ["Trainer"]
 
@@ -823,17 +824,28 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- main
     def run(self) -> list[dict[str, Any]]:
-        """Run to the end (resuming if asked); returns the records written this run."""
-        return asyncio.run(self._run())
+        """Run to the end (resuming if asked); returns the records written this run.
+
+        While it runs (from the main thread), SIGTERM and SIGINT stop it cleanly: the current
+        step finishes, a checkpoint is written and ``run`` returns early with
+        :attr:`stopped_by` set to the signal, so ``--resume`` continues exactly where it
+        stopped. A second signal exits the process at once (status ``128 + signal``) without a
+        checkpoint; the newest complete checkpoint stays valid.
+        """
+        self.stopped_by: int | None = None
+        """The signal that stopped the run before its last step (``None``: it ran to the end)."""
+        self.stop_checkpoint: Path | None = None
+        """The checkpoint written when a signal stopped the run."""
+        with StopSignals() as self._stop_signals:
+            return asyncio.run(self._run())
 
     async def _run(self) -> list[dict[str, Any]]:
         cfg = self.config
-        total = cfg.sft.steps + cfg.rl.steps
         metrics = MetricsLogger(
             self.run_dir,
             tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress,
-            total_steps=total,
+            phase_steps={"sft": cfg.sft.steps, "rl": cfg.rl.steps},
             resume_lines=self._resume_lines,
         )
         records = []
@@ -857,8 +869,16 @@ class Trainer:
                 self._load_resumed_policy()
                 while self.state["sft_step"] < cfg.sft.steps:
                     emit(self._sft_step())
-                    if due():
+                    # A checkpoint after the warm-up's last step is taken at the start of RL
+                    # (below): resuming there needs the RL phase's policy and optimizer.
+                    if self.state["sft_step"] == cfg.sft.steps:
+                        break
+                    saved = due()
+                    if saved:
                         self._save(metrics)
+                    if self._stop_signals.signum is not None:
+                        await self._stop(metrics, saved=saved)
+                        return records
                 tmp = self.run_dir / ".tmp-sft_model"
                 self.policy.save(tmp, with_optimizer=False)
                 if self.sft_model_path.exists():
@@ -892,10 +912,17 @@ class Trainer:
             self._first_version = self.policy.version - self.state["rl_step"]
             if self.generator.weight_version != self.policy.version:
                 await self._sync_weights()
+            saved = False
             if not self.state["eval_at_0"]:
                 rec = {"step": 0, "phase": "rl", **await self.evaluate(0)}
                 self.state["eval_at_0"] = True
                 emit(rec)
+                saved = cfg.sft.steps > 0 and due()  # the warm-up's last step was due
+                if saved:
+                    self._save(metrics)
+            if self._stop_signals.signum is not None and self.state["rl_step"] < cfg.rl.steps:
+                await self._stop(metrics, saved=saved)
+                return records
             if cfg.rl.async_generation:
                 self._start_pipeline()
             elif self._ready_rounds:
@@ -915,12 +942,18 @@ class Trainer:
                 if eval_due:
                     rec.update(await self.evaluate(step))
                 emit(rec)
-                if due():
+                saved = due()
+                if saved:
                     self._save(metrics)
+                if self._stop_signals.signum is not None and step < cfg.rl.steps:
+                    await self._stop(metrics, saved=saved)
+                    return records
                 if self.pipeline is not None:
                     await self.pipeline.release(self.policy.version, self._weights_copy())
-            self._save(metrics)
+            # The final model first: if writing it fails, the weights are already on disk
+            # (HFPolicy.save writes a plain safetensors file before converting).
             self.policy.save(self.run_dir / "final_model", with_optimizer=False)
+            self._save(metrics)
         finally:
             if self.pipeline is not None:
                 await self.pipeline.close()
@@ -937,3 +970,14 @@ class Trainer:
             if self.runtime is not None:
                 self.runtime.shutdown()
         return records
+
+    # ----------------------------------------------------------------------------- stopping
+    async def _stop(self, metrics: MetricsLogger, *, saved: bool) -> None:
+        """Stop early on a signal: quiesce the rollout pipeline (async mode) and write a
+        checkpoint of the step just finished unless ``saved`` (the schedule already wrote it)."""
+        if self.pipeline is not None:
+            await self.pipeline.drain(self.policy.version)
+        if not saved:
+            self._save(metrics)
+        self.stopped_by = self._stop_signals.signum
+        self.stop_checkpoint = latest_checkpoint(self.run_dir)

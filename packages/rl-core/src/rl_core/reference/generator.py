@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import random
 import threading
 import time
@@ -194,6 +195,10 @@ class HFGenerator(Generator):
         self._pad_id = int(pad) if pad is not None and 0 <= pad < self.vocab_size else 0
         self._state = self.model.state_dict(keep_vars=False)
         mc = self.model.config
+        # transformers 5.x names the KV-cache argument ``cache`` (``past_key_values`` still works
+        # but warns, and goes in 5.40); 4.x knows only ``past_key_values``.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._own_masks = getattr(mc, "_attn_implementation", None) == "sdpa" and all(
             lt == "full_attention"
             for lt in (getattr(mc, "layer_types", None) or ["full_attention"])
@@ -510,7 +515,7 @@ class HFGenerator(Generator):
             input_ids=pre_ids.to(dev),
             attention_mask=attn,
             position_ids=pre_pos.to(dev),
-            past_key_values=cache,
+            **{self._cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -596,7 +601,7 @@ class HFGenerator(Generator):
                 input_ids=tok_A[:, None].to(dev),
                 attention_mask=attn,
                 position_ids=st["pos"][:, None].to(dev),
-                past_key_values=cache,
+                **{self._cache_arg: cache},
                 use_cache=True,
             ).logits[:, -1]
             st["pos"] += 1

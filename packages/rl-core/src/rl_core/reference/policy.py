@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +173,7 @@ class HFPolicy(Policy):
         """The ``transformers`` causal LM (eval mode: dropout off)."""
         self.tokenizer = self._load_tokenizer(path)
         """The tokenizer saved with the model (``AutoTokenizer`` of ``model_path``)."""
+        self._check_saveable(path)
         self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self._version = 0
         self._params = self._trainable_parameters()
@@ -190,6 +193,22 @@ class HFPolicy(Policy):
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates (subclasses add their heads)."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _check_saveable(self, path: Path) -> None:
+        """Write the model's configs as :meth:`save` will, into a scratch directory, so a config
+        transformers cannot serialise fails now rather than at the first checkpoint."""
+        try:
+            with tempfile.TemporaryDirectory() as scratch:
+                self.model.config.save_pretrained(scratch)
+                if self.model.can_generate():
+                    self.model.generation_config.save_pretrained(scratch)
+        except Exception as e:  # transformers raises TypeError, ValueError, OSError, ...
+            raise ConfigError(
+                f"policy.model_path: the config of the model in {str(path)!r} cannot be saved "
+                f"({type(e).__name__}: {e}), so no checkpoint or final model could be written. "
+                "Fix config.json / generation_config.json there (a value JSON cannot hold, or "
+                "generation settings transformers rejects) and start again."
+            ) from e
 
     def _load_tokenizer(self, path: Path) -> Any:
         from transformers import AutoTokenizer
@@ -435,21 +454,55 @@ class HFPolicy(Policy):
         the tokenizer files, and ``rl_policy_state.pt`` with the version (and, if
         ``with_optimizer``, the AdamW and scheduler states). ``AutoModelForCausalLM`` loads it as
         is. The state file is written last.
+
+        The weights go to disk first, as a plain safetensors state dict in Hugging Face naming
+        (``model.safetensors``), before transformers converts anything: if ``save_pretrained``
+        fails (say, a config that does not serialise), the trained weights are still there.
+
+        Raises:
+            CheckpointError: transformers could not write the model directory; the message
+                names the weights file that was written and the cause.
         """
+        from safetensors.torch import save_file
+
         from rl_core.reference._hf import quiet_progress
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        with quiet_progress():
-            self.model.save_pretrained(str(out))
+        raw = out / "model.safetensors"
+        weights = {n: t.detach().to("cpu").contiguous() for n, t in self.named_weights()}
+        save_file(weights, str(raw.with_suffix(".tmp")), metadata={"format": "pt"})
+        raw.with_suffix(".tmp").replace(raw)
+        # transformers writes into a side directory; its files replace the raw ones only once
+        # all of them are written.
+        hf_dir = out / ".hf-save"
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        try:
+            with quiet_progress():
+                self.model.save_pretrained(str(hf_dir))
+            self.tokenizer.save_pretrained(str(hf_dir))
+        except Exception as e:  # transformers raises TypeError, ValueError, OSError, ...
+            shutil.rmtree(hf_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"{out}: the weights are saved in {raw} (a plain safetensors state dict with "
+                f"Hugging Face names), but transformers failed to write the model directory: "
+                f"{type(e).__name__}: {e}. Fix the model's config.json / generation_config.json "
+                "so save_pretrained works, then load the weights with "
+                "safetensors.torch.load_file and save again."
+            ) from e
         # Saved configs must load with stock transformers: name the public implementation.
-        cfg_path = out / "config.json"
+        cfg_path = hf_dir / "config.json"
         cfg = json.loads(cfg_path.read_text())
         if cfg.get("_attn_implementation") or cfg.get("attn_implementation"):
             cfg.pop("_attn_implementation", None)
             cfg.pop("attn_implementation", None)
             cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        self.tokenizer.save_pretrained(str(out))
+        written = {f.name for f in hf_dir.iterdir()}
+        for f in sorted(hf_dir.iterdir()):
+            f.replace(out / f.name)
+        hf_dir.rmdir()
+        if raw.name not in written:  # transformers sharded the weights: its files replace ours
+            raw.unlink()
         state: dict[str, Any] = {"format": 1, "version": self._version}
         if with_optimizer:
             state["optimizer"] = self.optimizer.state_dict()
