@@ -20,6 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_trainer.cli import EXIT_STOPPED
+
 # A short version of the template's run: a few SFT and RL steps, checkpoints every 2 steps.
 SHORT = (
     "sft.steps=4",
@@ -98,8 +100,9 @@ def test_new_check_run_stop_resume(tmp_path):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
-    # A clean stop: not a crash (1/2), not a success (0), not killed by the signal itself.
-    assert proc.returncode not in (0, 1, 2, -signal.SIGTERM), f"exit {proc.returncode}:\n{out}"
+    # A clean stop: a checkpoint at the current step, the resume command, exit status 75.
+    assert proc.returncode == EXIT_STOPPED, f"exit {proc.returncode}:\n{out}"
+    assert "resume with: rl-train run" in out and "--resume" in out
     assert not (stopped / "final_model").exists(), "the stopped run must not look finished"
     assert 2 <= _rl_steps_logged(stopped) < 10
 
