@@ -5,12 +5,16 @@ rl-train run my_recipe.yaml --set rl.steps=50 --set rollout.n_samples=4
 rl-train run demo --resume              # continue from the newest checkpoint
 rl-train report runs/demo               # PNG plots of reward, loss and throughput
 rl-train recipes                        # list the bundled recipes
+rl-train new mytask                     # write a working task directory mytask/
+rl-train check mytask/recipe.yaml       # dry run: config, data, prompts, reward (seconds)
 
 Exit status of ``rl-train run``: 0 the run finished; 2 an error in the recipe, data or a
 component (the message says what to fix); :data:`EXIT_STOPPED` (75) SIGTERM or SIGINT stopped
 the run cleanly after writing a checkpoint (the resume command is printed); 128 + N a second
 signal N ended it at once (130 for Ctrl-C twice, 143 for SIGTERM twice), the newest complete
 checkpoint still resumes it; 130 also for Ctrl-C outside the training loop (start-up, report).
+Exit status of ``rl-train check``: 0 no problem found (warnings allowed unless ``--strict``),
+1 problems found (each printed with its fix).
 """
 
 from __future__ import annotations
@@ -117,6 +121,25 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rl_trainer.check import check_recipe, print_report
+
+    report = check_recipe(recipe_path(args.recipe), args.set or [], rows=args.rows)
+    print_report(report)
+    failed = bool(report.problems) or (args.strict and bool(report.warnings))
+    return 1 if failed else 0
+
+
+def _cmd_new(args: argparse.Namespace) -> int:
+    from rl_trainer.scaffold import write_task
+
+    out = write_task(args.name, args.dir)
+    recipe = out / "recipe.yaml"
+    print(f"wrote {out}/: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    print(f"next: rl-train check {recipe}\n      rl-train run {recipe}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``rl-train``."""
     parser = argparse.ArgumentParser(prog="rl-train", description="Reference RL post-training app.")
@@ -139,6 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(fn=_cmd_report)
     rec = sub.add_parser("recipes", help="list bundled recipes")
     rec.set_defaults(fn=_cmd_recipes)
+    chk = sub.add_parser(
+        "check",
+        help="dry run in seconds: config, data rows, rendered prompts, reward on test responses",
+        description="Load the recipe, read a few rows of every data set, print each prompt as "
+        "the model will see it and the reward of test responses and of the label answer. Exit "
+        "status 1 on any problem (0 with warnings only, unless --strict). Builds no weights.",
+    )
+    chk.add_argument("recipe")
+    chk.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    chk.add_argument("--rows", type=int, default=3, help="prompts to show per data set")
+    chk.add_argument("--strict", action="store_true", help="warnings fail the check too")
+    chk.set_defaults(fn=_cmd_check)
+    new = sub.add_parser(
+        "new",
+        help="write a working task directory (recipe, data, reward, README) to start from",
+    )
+    new.add_argument("name", help="task name; the directory NAME/ is created")
+    new.add_argument("--dir", default=".", help="where to create NAME/ (default: here)")
+    new.set_defaults(fn=_cmd_new)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -1,0 +1,124 @@
+"""Build steps shared by the trainer and ``rl-train check``: where the model and tokenizer come
+from, which data sources a recipe names, and run-wide defaults for component options.
+
+``rl-train check`` uses them to see a recipe exactly as the trainer will, without building the
+policy or the generator::
+
+    cfg = load_trainer_config("recipe.yaml")
+    tok = load_tokenizer(cfg)                          # no model weights are built
+    task = build_task(cfg)                             # None without ``task``
+    train_spec, eval_spec = data_specs(cfg, task, data_dir=cfg.run_path / "data")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rl_core import registry
+from rl_core.config import ComponentSpec, from_dict
+from rl_core.errors import ConfigError
+from rl_trainer.config import TrainerConfig
+
+__all__ = [
+    "build_task",
+    "config_fields",
+    "data_specs",
+    "init_model_path",
+    "load_tokenizer",
+    "with_defaults",
+]
+
+
+def init_model_path(cfg: TrainerConfig) -> str:
+    """The initial model directory: ``model.path``, or the tiny model of ``model.init`` built
+    into ``<run_dir>/init_model`` (once; an existing one is reused)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from rl_core.reference.tiny import TinyModelSpec, build_tiny_model
+
+    path = cfg.run_path / "init_model"
+    if not (path / "config.json").exists():
+        spec = from_dict(
+            TinyModelSpec, {"seed": cfg.seed, **(cfg.model.init or {})}, path="model.init"
+        )
+        build_tiny_model(path, spec)
+    return str(path)
+
+
+def load_tokenizer(cfg: TrainerConfig) -> Any:
+    """The tokenizer the trainer will use, without building model weights.
+
+    ``model.path``: its tokenizer. ``model.init``: the one already in ``<run_dir>/init_model``
+    if a run built it, else the tiny models' tokenizer saved to a scratch directory and loaded
+    back the way the trainer loads it (``AutoTokenizer.from_pretrained``).
+    """
+    from transformers import AutoTokenizer
+
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not path.exists():
+            raise ConfigError(
+                f"model.path: {cfg.model.path} does not exist; point it at a Hugging Face model "
+                "directory (config.json, tokenizer files) or use model.init for a tiny model."
+            )
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"model.path: no tokenizer could be loaded from {path} ({e}); the directory "
+                "needs the tokenizer files (tokenizer.json / tokenizer_config.json)."
+            ) from None
+    from rl_core.reference.tiny import TinyModelSpec
+
+    from_dict(TinyModelSpec, {"seed": cfg.seed, **(cfg.model.init or {})}, path="model.init")
+    built = cfg.run_path / "init_model"
+    if (built / "config.json").exists():
+        return AutoTokenizer.from_pretrained(str(built))
+    from rl_core.reference.tokenizer import build_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="rl-tokenizer-") as tmp:
+        build_tokenizer(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def config_fields(kind: str, spec: ComponentSpec) -> set[str]:
+    """Option names of the ``Config`` of the component ``spec`` names (empty if it has none)."""
+    cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
+    return {f.name for f in dataclasses.fields(cls.Config)} if hasattr(cls, "Config") else set()
+
+
+def with_defaults(kind: str, spec: ComponentSpec, **defaults: Any) -> ComponentSpec:
+    """``spec`` with run-wide defaults (model path, seed) for the options its ``Config`` has;
+    options the recipe sets win."""
+    known = config_fields(kind, spec)
+    return ComponentSpec(
+        type=spec.type,
+        options={**{k: v for k, v in defaults.items() if k in known}, **spec.options},
+    )
+
+
+def build_task(cfg: TrainerConfig) -> Any:
+    """The built-in task of ``cfg.task`` (``None`` when the recipe sets none)."""
+    return registry.build("task", cfg.task, field="task") if cfg.task is not None else None
+
+
+def data_specs(
+    cfg: TrainerConfig, task: Any, *, data_dir: Path
+) -> tuple[ComponentSpec, ComponentSpec | None]:
+    """The train and eval prompt sources: ``data.train``/``data.eval``, else the task's splits
+    (written to ``data_dir``). The train spec gets the run seed when its ``Config`` has one."""
+    train_spec, eval_spec = cfg.data.train, cfg.data.eval
+    if task is not None:
+        paths = task.write_splits(data_dir)
+        train_spec = train_spec or ComponentSpec(
+            type="jsonl", options={"path": str(paths["train"]), "shuffle": True}
+        )
+        eval_spec = eval_spec or ComponentSpec(
+            type="jsonl", options={"path": str(paths["eval"]), "shuffle": False}
+        )
+    if train_spec is None:
+        raise ConfigError("data.train: set a prompt source (or a built-in task).")
+    return with_defaults("data_source", train_spec, seed=cfg.seed), eval_spec

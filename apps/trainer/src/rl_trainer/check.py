@@ -1,0 +1,535 @@
+"""``rl-train check``: a dry run of a recipe in seconds, before any weights are built.
+
+It does what the trainer does up to the first generation, and stops there:
+
+1. loads the recipe (with ``--set`` overrides) and validates every component's options
+   (policy, generator, weight transport, buffer, filters, rollout, group reward, algorithm);
+2. loads the tokenizer the run will use (``model.init`` builds no weights);
+3. builds every data source (train, eval, each ``eval.datasets`` entry) with that tokenizer,
+   through the registry as the trainer does, so every line of every file is read and checked;
+4. draws a few prompts of each and decodes their token ids: the prompt exactly as the model
+   will see it, chat template and special tokens included;
+5. scores, with the reward of each set and the trainer's own :class:`~rl_trainer.rollout.Scorer`,
+   two dummy responses (an empty one and a wrong answer) and the label answer (``str(label)``,
+   the text the SFT warm-up trains toward).
+
+Each finding is a *problem* (the run would fail or train on garbage: exit status 1) or a
+*warning* (worth a look, exit status 0; ``--strict`` makes warnings fail too):
+
+- problem: a config error, an unreadable or malformed data file, a reward that cannot be
+  loaded, raises, or returns something that is not a finite number (or a mapping with a
+  ``reward`` key), an SFT warm-up on rows without labels;
+- warning: a label answer scoring below the set's correct threshold
+  (``eval.correct_threshold``, default 1.0). A warning, not a problem, because many rewards
+  expect a format the bare label lacks (``\\boxed{42}``, ``#### 42``) or labels that are not
+  the answer text (test cases); a dummy response scoring at or above the threshold is a warning
+  too (the reward may give credit for nothing).
+
+Every finding names the field or file at fault and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rl_core import registry
+from rl_core.config import ComponentSpec, from_dict
+from rl_core.errors import RLError
+from rl_core.types import Group, Prompt, Rollout, RolloutStatus
+from rl_trainer.build import build_task, data_specs, load_tokenizer, with_defaults
+from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.rollout import RolloutStats, Scorer
+
+__all__ = ["DUMMY_RESPONSES", "CheckReport", "Finding", "SampleRow", "check_recipe", "print_report"]
+
+DUMMY_RESPONSES: dict[str, str] = {"empty": "", "wrong": "I think the answer is 42."}
+"""Responses every reward must score without raising, by column name: an empty one (a model
+that stops at once) and a plausible wrong answer."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Finding:
+    """One thing ``check`` found."""
+
+    level: Literal["problem", "warning"]
+    """``problem``: the run would fail or learn nothing (exit status 1); ``warning``: worth a
+    look."""
+    where: str
+    """The config field, ``file:line`` or data set at fault."""
+    message: str
+    """What is wrong and how to fix it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SampleRow:
+    """One prompt as the model will see it, with the rewards of the test responses."""
+
+    set_name: str
+    """``train``, ``eval`` or ``eval/<name>``."""
+    uid: str
+    """The prompt's uid."""
+    prompt_text: str
+    """The prompt's token ids decoded with special tokens kept: the exact model input."""
+    num_tokens: int
+    """Prompt length in tokens."""
+    label: str | None
+    """The label answer (``str(label)``), ``None`` if the row has no label."""
+    dummy_rewards: list[float | None]
+    """Reward of each of :data:`DUMMY_RESPONSES`, in order (``None``: the reward failed)."""
+    label_reward: float | None
+    """Reward of the label answer (``None``: no label, or the reward failed)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckReport:
+    """What ``check`` found: the findings and the sample rows it rendered."""
+
+    recipe: str
+    """The recipe checked."""
+    findings: list[Finding] = field(default_factory=list)
+    """Problems and warnings, in the order found."""
+    rows: list[SampleRow] = field(default_factory=list)
+    """Sample prompts of every data set."""
+
+    @property
+    def problems(self) -> list[Finding]:
+        """The findings that fail the check."""
+        return [f for f in self.findings if f.level == "problem"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        """The findings that do not fail the check (unless ``--strict``)."""
+        return [f for f in self.findings if f.level == "warning"]
+
+    def problem(self, where: str, message: str) -> None:
+        """Record a problem."""
+        self.findings.append(Finding(level="problem", where=where, message=message))
+
+    def warning(self, where: str, message: str) -> None:
+        """Record a warning."""
+        self.findings.append(Finding(level="warning", where=where, message=message))
+
+
+def _user_frame(e: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``e``'s traceback (where user code failed)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def _attempt(report: CheckReport, where: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """Run ``fn``; an error becomes a problem at ``where``. Returns ``(ok, result)``."""
+    try:
+        return True, fn()
+    except RLError as e:
+        report.problem(where, str(e))
+    except Exception as e:  # user code (a reward module, a data source) may raise anything
+        report.problem(
+            where,
+            f"{type(e).__name__}: {e} (raised at {_user_frame(e)}); fix the code there or the "
+            "config that names it.",
+        )
+    return False, None
+
+
+class _Recorder:
+    """Wraps a reward function to keep what it raised or returned, for the error message."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.value: Any = None
+
+    def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> Any:
+        self.error, self.value = None, None
+        try:
+            value = self.fn(prompt, response, rollout)
+        except Exception as e:
+            self.error = e
+            raise
+        if inspect.isawaitable(value):
+            return self._await(value)
+        self.value = value
+        return value
+
+    async def _await(self, awaitable: Any) -> Any:
+        try:
+            self.value = await awaitable
+        except Exception as e:
+            self.error = e
+            raise
+        return self.value
+
+
+@dataclass(kw_only=True, slots=True)
+class _EvalTarget:
+    """One data set to sample: its source spec, reward and correct threshold."""
+
+    set_name: str
+    field: str
+    spec: ComponentSpec
+    reward: Any
+    reward_field: str
+    threshold: float
+
+
+def _response_rollout(prompt: Prompt, tokenizer: Any, text: str) -> Rollout:
+    """A completed rollout answering ``prompt`` with ``text`` (then EOS, as a model ends)."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    n = len(ids)
+    return Rollout(
+        prompt_uid=prompt.uid,
+        rollout_id=f"{prompt.uid}/check",
+        sample_id=f"{prompt.uid}/check",
+        tokens=tuple(prompt.token_ids) + tuple(ids),
+        response_start=len(prompt.token_ids),
+        loss_mask=(1,) * n,
+        rollout_logprobs=(0.0,) * n,
+        versions=(0,) * n,
+    )
+
+
+def _score(
+    reward: _Recorder, scorer: Scorer, prompt: Prompt, text: str, tokenizer: Any
+) -> tuple[float | None, str | None]:
+    """Score ``text`` as the trainer would: ``(reward, None)`` or ``(None, what went wrong)``."""
+    r = _response_rollout(prompt, tokenizer, text)
+    asyncio.run(scorer.score([Group(prompt=prompt, rollouts=[r])], RolloutStats()))
+    if r.status != RolloutStatus.FAILED:
+        return r.reward, None
+    if reward.error is not None:
+        e = reward.error
+        return None, (
+            f"raised {type(e).__name__}: {e} (at {_user_frame(e)}) on the response {text!r}; "
+            "a reward must return a number for any text the model may write (empty included)."
+        )
+    value = reward.value
+    return None, (
+        f"returned {value!r} ({type(value).__name__}) for the response {text!r}; return a finite "
+        "float (or a mapping with a finite 'reward' entry). The trainer would mark every such "
+        f"rollout failed ({r.metadata.get('failure', 'reward_invalid')})."
+    )
+
+
+def _label_text(label: Any) -> str | None:
+    """The label as a response (what SFT trains toward), or ``None`` for structured labels."""
+    if label is None or isinstance(label, dict | list | tuple):
+        return None
+    return str(label)
+
+
+def _check_components(report: CheckReport, cfg: TrainerConfig, model_path: str) -> None:
+    """Resolve every named component and validate its options, as the trainer's build does."""
+    for kind, spec in (
+        ("policy", cfg.policy),
+        ("generator", cfg.generator),
+        ("weight_transport", cfg.weight_transport),
+    ):
+
+        def validate(kind: str = kind, spec: ComponentSpec = spec) -> None:
+            cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
+            if hasattr(cls, "Config"):
+                defaults = {
+                    "model_path": model_path,
+                    "base_checkpoint": model_path,
+                    "assets_dir": model_path,
+                    "directory": str(cfg.run_path / "weights"),
+                    "local_dir": str(cfg.run_path / "weights_local"),
+                    "rank": 0,
+                    "world_size": 2,
+                }
+                from_dict(cls.Config, with_defaults(kind, spec, **defaults).options, path=kind)
+
+        _attempt(report, kind, validate)
+    _attempt(report, "buffer", lambda: registry.build("buffer", cfg.buffer, field="buffer"))
+    for i, f in enumerate(cfg.rollout.filters):
+        where = f"rollout.filters[{i}]"
+        _attempt(report, where, lambda f=f, where=where: registry.build("filter", f, field=where))
+    if cfg.rollout.generate_fn is not None:
+        _attempt(
+            report,
+            "rollout.generate_fn",
+            lambda: registry.check_callable(
+                registry.build("generate_fn", cfg.rollout.generate_fn, field="rollout.generate_fn"),
+                object,
+                field="rollout.generate_fn",
+                n_args=2,
+            ),
+        )
+    if cfg.group_reward is not None:
+        _attempt(
+            report,
+            "group_reward",
+            lambda: registry.check_callable(
+                registry.build("reward", cfg.group_reward, field="group_reward"),
+                object,
+                field="group_reward",
+                n_args=3,
+            ),
+        )
+    from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss
+
+    alg = cfg.algorithm
+    if alg.advantage in ADVANTAGE_ESTIMATORS:
+        est = ADVANTAGE_ESTIMATORS[alg.advantage]
+        _attempt(
+            report,
+            "algorithm.advantage_options",
+            lambda: from_dict(
+                est.Config, alg.advantage_options, path="algorithm.advantage_options"
+            ),
+        )
+    else:
+        spec = ComponentSpec(type=alg.advantage, options=alg.advantage_options)
+        _attempt(
+            report,
+            "algorithm.advantage",
+            lambda: registry.build("advantage", spec, field="algorithm.advantage"),
+        )
+    ok, loss_cfg = _attempt(
+        report,
+        "algorithm.loss",
+        lambda: from_dict(PolicyLoss.Config, alg.loss, path="algorithm.loss"),
+    )
+    if ok and loss_cfg.kl_coef > 0 and not alg.use_reference:
+        report.problem(
+            "algorithm.loss.kl_coef",
+            "> 0 needs a reference model; set algorithm.use_reference: true or kl_coef: 0.",
+        )
+
+
+def _reward(report: CheckReport, spec: ComponentSpec, where: str) -> Any:
+    """Build a reward function and check its signature; ``None`` (and a problem) on failure."""
+
+    def build() -> Any:
+        fn = registry.build("reward", spec, field=where)
+        return registry.check_callable(fn, object, field=where, n_args=3)
+
+    return _attempt(report, where, build)[1]
+
+
+def _targets(report: CheckReport, cfg: TrainerConfig, data_dir: Path) -> list[_EvalTarget]:
+    """The data sets to sample: train, the default eval set, and each ``eval.datasets`` entry."""
+    ok, task = _attempt(report, "task", lambda: build_task(cfg))
+    if not ok:
+        return []
+    ok, specs = _attempt(report, "data", lambda: data_specs(cfg, task, data_dir=data_dir))
+    if not ok:
+        return []
+    train_spec, eval_spec = specs
+    if cfg.reward is not None:
+        reward, reward_field = _reward(report, cfg.reward, "reward"), "reward"
+    elif task is not None:
+        reward, reward_field = task, "task"
+    else:
+        report.problem(
+            "reward",
+            "not set and no built-in task supplies one; set reward: {type: 'reward.py:score'} "
+            "(a file next to the recipe) or {type: 'my_pkg.rewards:score'}.",
+        )
+        reward, reward_field = None, "reward"
+    threshold = cfg.eval.correct_threshold
+    out = [
+        _EvalTarget(
+            set_name="train",
+            field="data.train",
+            spec=train_spec,
+            reward=reward,
+            reward_field=reward_field,
+            threshold=threshold,
+        )
+    ]
+    if eval_spec is not None:
+        out.append(
+            _EvalTarget(
+                set_name="eval",
+                field="data.eval",
+                spec=eval_spec,
+                reward=reward,
+                reward_field=reward_field,
+                threshold=threshold,
+            )
+        )
+    for i, ds in enumerate(cfg.eval.datasets):
+        where = f"eval.datasets[{i}]"
+        ds_reward, ds_field = reward, reward_field
+        if ds.reward is not None:
+            ds_reward, ds_field = _reward(report, ds.reward, f"{where}.reward"), f"{where}.reward"
+        out.append(
+            _EvalTarget(
+                set_name=f"eval/{ds.name}",
+                field=f"{where}.data",
+                spec=ds.data,
+                reward=ds_reward,
+                reward_field=ds_field,
+                threshold=ds.correct_threshold if ds.correct_threshold is not None else threshold,
+            )
+        )
+    return out
+
+
+def _sample(
+    report: CheckReport, cfg: TrainerConfig, target: _EvalTarget, tokenizer: Any, rows: int
+) -> None:
+    """Read one data set, render ``rows`` prompts and score the test responses on them."""
+    ok, source = _attempt(
+        report,
+        target.field,
+        lambda: registry.build("data_source", target.spec, field=target.field, tokenizer=tokenizer),
+    )
+    if not ok:
+        return
+    prompts: list[Prompt] = source.next_prompts(min(rows, len(source)))
+    if target.set_name == "train" and cfg.sft.steps > 0:
+        unlabelled = [p.uid for p in prompts if p.label is None]
+        if unlabelled:
+            report.problem(
+                target.field,
+                f"rows without a label ({', '.join(unlabelled)}) but sft.steps is "
+                f"{cfg.sft.steps}: the warm-up trains on the labels. Add a label to every row "
+                "(label_key) or set sft.steps: 0.",
+            )
+    recorder = _Recorder(target.reward) if target.reward is not None else None
+    scorer = Scorer(recorder, tokenizer) if recorder is not None else None
+    failures: list[str] = []
+    low_label: list[str] = []
+    high_dummy: list[str] = []
+    for p in prompts:
+
+        def score(text: str, p: Prompt = p) -> float | None:
+            if recorder is None or scorer is None:
+                return None
+            value, error = _score(recorder, scorer, p, text, tokenizer)
+            if error is not None:
+                failures.append(f"prompt {p.uid}: {error}")
+            return value
+
+        dummy = [score(t) for t in DUMMY_RESPONSES.values()]
+        label = _label_text(p.label)
+        label_reward = score(label) if label is not None else None
+        if label_reward is not None and label_reward < target.threshold:
+            low_label.append(f"{p.uid} ({label!r} -> {label_reward:g})")
+        for text, value in zip(DUMMY_RESPONSES.values(), dummy):
+            if value is not None and value >= target.threshold:
+                high_dummy.append(f"{p.uid} ({text!r} -> {value:g})")
+        report.rows.append(
+            SampleRow(
+                set_name=target.set_name,
+                uid=p.uid,
+                prompt_text=tokenizer.decode(list(p.token_ids), skip_special_tokens=False),
+                num_tokens=len(p.token_ids),
+                label=label,
+                dummy_rewards=dummy,
+                label_reward=label_reward,
+            )
+        )
+    if failures:
+        report.problem(
+            f"{target.reward_field} on {target.set_name}",
+            f"the reward failed on {len(failures)} test response(s); first: {failures[0]}",
+        )
+    if low_label:
+        report.warning(
+            f"{target.reward_field} on {target.set_name}",
+            f"the label answer scores below the correct threshold {target.threshold:g} on "
+            f"{len(low_label)} of {len(prompts)} rows ({', '.join(low_label[:3])}). Expected if "
+            "the reward wants a format the bare label lacks; otherwise check that the reward "
+            "compares the response with prompt.label.",
+        )
+    if high_dummy:
+        report.warning(
+            f"{target.reward_field} on {target.set_name}",
+            f"a dummy response scores at or above the correct threshold {target.threshold:g} "
+            f"({', '.join(high_dummy[:3])}); the reward may give credit for any answer.",
+        )
+
+
+def check_recipe(
+    recipe: str | Path, overrides: Sequence[str] = (), *, rows: int = 3
+) -> CheckReport:
+    """Check a recipe without building a model (see the module docstring): every problem and
+    warning found, and ``rows`` rendered and scored prompts of every data set."""
+    report = CheckReport(recipe=str(recipe))
+    ok, cfg = _attempt(report, "recipe", lambda: load_trainer_config(recipe, list(overrides)))
+    if not ok:
+        return report
+    ok, tokenizer = _attempt(report, "model", lambda: load_tokenizer(cfg))
+    model_path = cfg.model.path or str(cfg.run_path / "init_model")
+    _check_components(report, cfg, model_path)
+    if not ok:
+        return report
+    with tempfile.TemporaryDirectory(prefix="rl-check-") as tmp:  # a task's splits go here
+        for target in _targets(report, cfg, Path(tmp)):
+            _sample(report, cfg, target, tokenizer, rows)
+    return report
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "nan" if math.isnan(value) else f"{value:.3g}"
+
+
+def print_report(report: CheckReport, console: Any = None) -> None:
+    """Print the sample table, then every finding, then a one-line verdict."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    if console is None:
+        console = Console(highlight=False, soft_wrap=False)
+        if not console.is_terminal:
+            console.width = max(console.width, 120)
+    if report.rows:
+        legend = ", ".join(f"{k} = {v!r}" for k, v in DUMMY_RESPONSES.items())
+        table = Table(
+            title=f"rl-train check {report.recipe}",
+            caption=f"reward columns: the set's reward on {legend}, and on the label",
+            show_lines=True,
+        )
+        table.add_column("set", no_wrap=True)
+        table.add_column("uid", no_wrap=True)
+        table.add_column("prompt as the model sees it (↵ = newline)")
+        table.add_column("tokens", justify="right")
+        table.add_column("label")
+        for name in DUMMY_RESPONSES:
+            table.add_column(f"reward {name}", justify="right")
+        table.add_column("reward label", justify="right")
+        for r in report.rows:
+            table.add_row(
+                r.set_name,
+                r.uid,
+                Text(r.prompt_text.replace("\n", "↵\n").removesuffix("\n")),
+                str(r.num_tokens),
+                Text("-" if r.label is None else repr(r.label)),
+                *(_fmt(v) for v in r.dummy_rewards),
+                _fmt(r.label_reward),
+            )
+        console.print(table)
+    for f in report.findings:
+        style = "bold red" if f.level == "problem" else "yellow"
+        line = Text(f"{f.level.upper()} ", style=style)
+        line.append(f"{f.where}: ", style="bold")
+        line.append(f.message)
+        console.print(line)
+    n_p, n_w = len(report.problems), len(report.warnings)
+    if n_p:
+        console.print(Text(f"check failed: {n_p} problem(s), {n_w} warning(s).", style="bold red"))
+    else:
+        console.print(
+            Text(
+                f"check passed: {len(report.rows)} prompts rendered and scored, {n_w} warning(s).",
+                style="bold green",
+            )
+        )
