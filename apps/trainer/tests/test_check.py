@@ -107,7 +107,8 @@ def test_reward_with_the_wrong_signature_is_a_problem(on_path, capsys):
     src = "def score(response):\n    return 0.0\n"
     rc, out = _check(_write_recipe(on_path, reward_src=src), capsys)
     assert rc == 1
-    assert "reward" in out and "3 positional arguments" in out
+    assert "reward" in out and "takes (response)" in out
+    assert "calls it as score(prompt, response, rollout)" in out
 
 
 def test_bad_data_line_is_a_problem_naming_file_and_line(on_path, capsys):

@@ -376,7 +376,7 @@ def test_recipe_dir_code_and_data_without_pythonpath(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[0])
-    assert summary["steps_this_run"] >= 1
+    assert summary["rl_steps_this_run"] >= 1
     assert "first_eval_reward" in summary  # the eval data from --set was found in cwd
 
 

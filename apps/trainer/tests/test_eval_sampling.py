@@ -110,5 +110,9 @@ def test_greedy_eval_with_repeated_samples_is_refused(tmp_path, tiny_recipe_dict
         {"n_samples": 1, "pass_k": [1]},
     ],
 )
-def test_sampled_or_single_sample_eval_is_accepted(tmp_path, tiny_recipe_dict, section):
+def test_sampled_or_single_sample_eval_is_accepted(
+    tmp_path, tiny_recipe_dict, section, monkeypatch
+):
+    (tmp_path / "x").write_text('{"prompt": "ab=", "label": "ba"}\n')
+    monkeypatch.chdir(tmp_path)  # the dataset's relative path "x" resolves against the cwd
     load_trainer_config(tiny_recipe_dict(tmp_path, eval=section))

@@ -43,6 +43,7 @@ from typing import Any, Literal
 from rl_core import registry
 from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import RLError
+from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_core.types import Group, Prompt, Rollout, RolloutStatus
 from rl_trainer.build import build_task, data_specs, load_tokenizer, with_defaults
 from rl_trainer.config import TrainerConfig, load_trainer_config
@@ -255,16 +256,22 @@ def _check_components(report: CheckReport, cfg: TrainerConfig, model_path: str) 
     _attempt(report, "buffer", lambda: registry.build("buffer", cfg.buffer, field="buffer"))
     for i, f in enumerate(cfg.rollout.filters):
         where = f"rollout.filters[{i}]"
-        _attempt(report, where, lambda f=f, where=where: registry.build("filter", f, field=where))
+        _attempt(
+            report,
+            where,
+            lambda f=f, where=where: registry.check_callable(
+                registry.build("filter", f, field=where), GroupFilter, field=where, ref=f.type
+            ),
+        )
     if cfg.rollout.generate_fn is not None:
         _attempt(
             report,
             "rollout.generate_fn",
             lambda: registry.check_callable(
                 registry.build("generate_fn", cfg.rollout.generate_fn, field="rollout.generate_fn"),
-                object,
+                GenerateFn,
                 field="rollout.generate_fn",
-                n_args=2,
+                ref=cfg.rollout.generate_fn.type,
             ),
         )
     if cfg.group_reward is not None:
@@ -273,9 +280,9 @@ def _check_components(report: CheckReport, cfg: TrainerConfig, model_path: str) 
             "group_reward",
             lambda: registry.check_callable(
                 registry.build("reward", cfg.group_reward, field="group_reward"),
-                object,
+                GroupRewardFn,
                 field="group_reward",
-                n_args=3,
+                ref=cfg.group_reward.type,
             ),
         )
     from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss
@@ -314,7 +321,7 @@ def _reward(report: CheckReport, spec: ComponentSpec, where: str) -> Any:
 
     def build() -> Any:
         fn = registry.build("reward", spec, field=where)
-        return registry.check_callable(fn, object, field=where, n_args=3)
+        return registry.check_callable(fn, RewardFn, field=where, ref=spec.type)
 
     return _attempt(report, where, build)[1]
 
