@@ -128,7 +128,10 @@ def test_abort_by_id_returns_partial(attach: Callable[..., SGLangGenerator]) -> 
         task = asyncio.ensure_future(gen.generate([_long(i) for i in range(4)]))
         await asyncio.sleep(0.5)
         await gen.abort(["l0", "l2"])
-        await asyncio.sleep(0.5)
+        # Long enough that l1/l3 get further than l0/l2 even on a loaded machine (at 0.5 s a
+        # busy 2-core machine once left all four at the same 70 tokens); 3000 tokens each is
+        # far more than a quiet machine generates in that time.
+        await asyncio.sleep(2.0)
         await gen.abort()
         return await asyncio.wait_for(task, 60)
 
