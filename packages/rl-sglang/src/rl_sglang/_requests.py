@@ -185,6 +185,8 @@ class _RequestsMixin(_GeneratorState):
                     down.cancel()
             if not post.done():
                 post.cancel()
+                # The abandoned attempt's own outcome (cancelled, or an error just before) is
+                # superseded by the _Retry below, which is counted in stats["retries"].
                 with contextlib.suppress(BaseException):
                     await post
                 raise _Retry(f"{server.url if server else url} was taken out of rotation")

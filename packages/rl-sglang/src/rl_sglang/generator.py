@@ -42,7 +42,6 @@ from ``_requests``, abort/pause/health/restart from ``_control``, weight updates
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -344,7 +343,6 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         """Whether each server is in rotation."""
         return [s.up for s in self._servers]
 
-    # ------------------------------------------------------------------ HTTP helpers
     # ------------------------------------------------------------------ shutdown
 
     async def close(self) -> None:
@@ -353,8 +351,16 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         if self._closed:
             return
         if self._paused and not self.owned:
-            with contextlib.suppress(Exception):
+            try:
                 await self.resume()
+            except Exception as e:  # closing goes on; the servers stay paused, say so
+                log.warning(
+                    "SGLangGenerator.close: could not resume the attached servers %s (%s: %s); "
+                    "they stay paused until /continue_generation is called.",
+                    self.server_urls,
+                    type(e).__name__,
+                    e,
+                )
         self._closed = True
         await asyncio.to_thread(self._finalizer)
 
