@@ -185,10 +185,12 @@ class _RequestsMixin(_GeneratorState):
                     down.cancel()
             if not post.done():
                 post.cancel()
-                # The abandoned attempt's own outcome (cancelled, or an error just before) is
-                # superseded by the _Retry below, which is counted in stats["retries"].
-                with contextlib.suppress(BaseException):
-                    await post
+                # Let the cancelled POST wind down. Its own outcome (cancelled, or an error just
+                # before) is superseded by the _Retry below, counted in stats["retries"]; a
+                # cancellation of this task itself still propagates (asyncio.wait re-raises it).
+                await asyncio.wait({post})
+                if not post.cancelled():
+                    post.exception()  # retrieved, so asyncio does not log it as unhandled
                 raise _Retry(f"{server.url if server else url} was taken out of rotation")
             try:
                 status, data = post.result()
