@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -208,6 +209,28 @@ def test_math_equiv_errors(math_equiv, monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)
     with pytest.raises(RewardError, match=r"rl-core\[math\]"):
         MathEquiv()
+
+
+def test_math_equiv_records_math_verify_errors(monkeypatch, caplog):
+    """An exception inside math_verify scores 0 as before, but is counted and logged."""
+    pytest.importorskip("math_verify")
+    reward = MathEquiv()
+    real = reward._mv
+
+    class Failing:  # math_verify whose comparison raises (e.g. on an odd sympy object)
+        parse = staticmethod(real.parse)
+
+        @staticmethod
+        def verify(*args, **kwargs):
+            raise RuntimeError("cannot compare these")
+
+    monkeypatch.setattr(reward, "_mv", Failing)
+    with caplog.at_level(logging.DEBUG, logger="rl_core.rewards.math_answer"):
+        assert reward(_prompt("19"), "$19$", None) == 0.0
+        assert reward(_prompt("19"), "$19$", None) == 0.0
+    assert reward.errors == {"parse": 0, "verify": 2}
+    levels = [r.levelno for r in caplog.records if "cannot compare these" in r.getMessage()]
+    assert levels == [logging.WARNING, logging.DEBUG]
 
 
 def test_math_equiv_works_off_the_main_thread(math_equiv):

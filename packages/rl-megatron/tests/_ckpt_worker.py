@@ -62,51 +62,73 @@ def without_bucket_padding_fix() -> Iterator[None]:
         rl_checkpoint._dp_zero_state_keeps_bucket_padding = fix
 
 
-def main() -> None:
-    out_dir, models = Path(sys.argv[1]), json.loads(sys.argv[2])
-    torch.set_num_threads(1)
-    res: dict[str, Any] = {}
-    t_start = time.perf_counter()
+class Job:
+    """The worker's shared state: where to write, which models, the results so far."""
 
-    def build(**kw: Any) -> MegatronPolicy:
-        return MegatronPolicy(MegatronPolicy.Config(model_path=models["qwen2"], lr=LR, **kw))
+    def __init__(self, out_dir: Path, models: dict[str, str]) -> None:
+        self.out_dir, self.models = out_dir, models
+        self.res: dict[str, Any] = {}
 
-    def step(policy: MegatronPolicy, key: str) -> None:
+    def build(self, **kw: Any) -> MegatronPolicy:
+        return MegatronPolicy(MegatronPolicy.Config(model_path=self.models["qwen2"], lr=LR, **kw))
+
+    def step(self, policy: MegatronPolicy, key: str) -> None:
         batch = global_batch(policy.model_shape.vocab_size)
         if policy.layout.dp_size > 1:
             batch = dp_shard(batch, policy.layout.dp_rank)
-        res[f"{key}/metrics"] = policy.train_step(batch, sft_loss)
-        res[f"{key}/weights"] = snapshot(policy)
-        res[f"{key}/version"] = policy.version
+        self.res[f"{key}/metrics"] = policy.train_step(batch, sft_loss)
+        self.res[f"{key}/weights"] = snapshot(policy)
+        self.res[f"{key}/version"] = policy.version
 
-    # ------------------------------------ same layout: TP=2 plain Adam, DP=2 distributed Adam
-    # (A policy is only usable until a policy of another layout is built in the process: that
-    # rebuilds Megatron's parallel state, so each layout below gets a freshly built policy.)
+    def build_critic(self) -> MegatronCritic:
+        return MegatronCritic(
+            MegatronCritic.Config(model_path=self.models["qwen2"], lr=1e-2, tp_size=2)
+        )
+
+    def critic_step(self, critic: MegatronCritic, key: str) -> None:
+        batch = global_batch(critic.model_shape.vocab_size)
+        self.res[f"{key}/metrics"] = critic.train_step(critic_targets(batch, critic), value_loss())
+        self.res[f"{key}/values"] = critic.compute_values(batch)
+
+
+def same_layout(job: Job) -> MegatronPolicy:
+    """TP=2 plain Adam and DP=2 distributed Adam: save after two steps, resume the third.
+
+    Returns the resumed TP=2 policy. (A policy is only usable until a policy of another layout
+    is built in the process: that rebuilds Megatron's parallel state, so each layout below gets
+    a freshly built policy.)
+    """
+    res, out_dir = job.res, job.out_dir
     for key, kw in (("dp2d", {"use_distributed_optimizer": True}), ("tp2", {"tp_size": 2})):
-        policy = build(**kw)
-        step(policy, f"{key}/step1")
-        step(policy, f"{key}/step2")
+        policy = job.build(**kw)
+        job.step(policy, f"{key}/step1")
+        job.step(policy, f"{key}/step2")
         t0 = time.perf_counter()
         policy.save(out_dir / f"ck_{key}", with_optimizer=True)
         res[f"{key}/save_s"] = time.perf_counter() - t0
-        step(policy, f"{key}/step3")
+        job.step(policy, f"{key}/step3")
         del policy
         gc.collect()
-        policy = build(**kw)
+        policy = job.build(**kw)
         t0 = time.perf_counter()
         policy.load(out_dir / f"ck_{key}", with_optimizer=True)
         res[f"{key}/load_s"] = time.perf_counter() - t0
         res[f"{key}/loaded_version"] = policy.version
-        step(policy, f"{key}/resumed")
+        job.step(policy, f"{key}/resumed")
         if key == "tp2":
             tp2 = policy
         else:
             del policy
             gc.collect()
+    return tp2
 
-    # ------------------------------------------------- resharding, with the loaded TP=2 policy
+
+def resharding(job: Job, tp2: MegatronPolicy) -> None:
+    """The loaded TP=2 policy loads the world-of-one checkpoint (and refuses the distributed
+    optimizer's); TP=2 -> PP=2 -> TP=2."""
+    res, out_dir = job.res, job.out_dir
     tp2.load(out_dir / "w1_plain", with_optimizer=True)  # a world-of-one checkpoint
-    step(tp2, "w1_to_tp2")
+    job.step(tp2, "w1_to_tp2")
     try:
         tp2.load(out_dir / "ck_dp2d", with_optimizer=True)
         res["refused_distopt"] = ""
@@ -115,26 +137,29 @@ def main() -> None:
     del tp2
     gc.collect()
 
-    pp2 = build(pp_size=2)
+    pp2 = job.build(pp_size=2)
     pp2.load(out_dir / "ck_tp2", with_optimizer=True)
-    step(pp2, "tp2_to_pp2")
+    job.step(pp2, "tp2_to_pp2")
     pp2.save(out_dir / "ck_pp2", with_optimizer=True)
-    step(pp2, "pp2/step4")
+    job.step(pp2, "pp2/step4")
     del pp2
     gc.collect()
-    tp2 = build(tp_size=2)
+    tp2 = job.build(tp_size=2)
     tp2.load(out_dir / "ck_pp2", with_optimizer=True)
-    step(tp2, "pp2_to_tp2")
+    job.step(tp2, "pp2_to_tp2")
     del tp2
     gc.collect()
 
-    # PP=2 with the distributed optimizer: the tied embedding gets a DDP bucket of its own (the
-    # layout megatron-core 0.16.1 saved shifted by the padding of the bucket before it).
-    pp2d = build(pp_size=2, use_distributed_optimizer=True)
+
+def distopt_at_pp2(job: Job) -> None:
+    """PP=2 with the distributed optimizer: the tied embedding gets a DDP bucket of its own (the
+    layout megatron-core 0.16.1 saved shifted by the padding of the bucket before it)."""
+    res, out_dir = job.res, job.out_dir
+    pp2d = job.build(pp_size=2, use_distributed_optimizer=True)
     pp2d.load(out_dir / "ck_dp2d", with_optimizer=True)
-    step(pp2d, "dp2d_to_pp2d")
+    job.step(pp2d, "dp2d_to_pp2d")
     pp2d.save(out_dir / "ck_pp2d", with_optimizer=True)
-    step(pp2d, "pp2d/step4")
+    job.step(pp2d, "pp2d/step4")
     res["pp2d/unpadded_buckets"] = unpadded_buckets(pp2d)
     with without_bucket_padding_fix():
         try:
@@ -144,42 +169,44 @@ def main() -> None:
             res["pp2d/refused_unfixed"] = str(exc)
     del pp2d
     gc.collect()
-    pp2d = build(pp_size=2, use_distributed_optimizer=True)
+    pp2d = job.build(pp_size=2, use_distributed_optimizer=True)
     pp2d.load(out_dir / "ck_pp2d", with_optimizer=True)
-    step(pp2d, "pp2d/resumed")
+    job.step(pp2d, "pp2d/resumed")
     del pp2d
     gc.collect()
-    tp2d = build(tp_size=2, use_distributed_optimizer=True)
+    tp2d = job.build(tp_size=2, use_distributed_optimizer=True)
     tp2d.load(out_dir / "ck_pp2d", with_optimizer=True)
-    step(tp2d, "pp2d_to_tp2d")
+    job.step(tp2d, "pp2d_to_tp2d")
     del tp2d
     gc.collect()
 
-    # ------------------------------------------------------------- the critic at TP=2
-    def critic_step(critic: MegatronCritic, key: str) -> None:
-        batch = global_batch(critic.model_shape.vocab_size)
-        res[f"{key}/metrics"] = critic.train_step(critic_targets(batch, critic), value_loss())
-        res[f"{key}/values"] = critic.compute_values(batch)
 
-    def build_critic() -> MegatronCritic:
-        return MegatronCritic(MegatronCritic.Config(model_path=models["qwen2"], lr=1e-2, tp_size=2))
-
-    critic = build_critic()
-    critic_step(critic, "critic/step1")
-    critic_step(critic, "critic/step2")
-    critic.save(out_dir / "ck_critic", with_optimizer=True)
-    critic_step(critic, "critic/step3")
+def critic_at_tp2(job: Job) -> None:
+    """The critic at TP=2: two value steps, save, a third; a fresh critic resumes it."""
+    critic = job.build_critic()
+    job.critic_step(critic, "critic/step1")
+    job.critic_step(critic, "critic/step2")
+    critic.save(job.out_dir / "ck_critic", with_optimizer=True)
+    job.critic_step(critic, "critic/step3")
     del critic
     gc.collect()
-    critic = build_critic()
-    critic.load(out_dir / "ck_critic", with_optimizer=True)
-    critic_step(critic, "critic/resumed")
+    critic = job.build_critic()
+    critic.load(job.out_dir / "ck_critic", with_optimizer=True)
+    job.critic_step(critic, "critic/resumed")
     del critic
     gc.collect()
 
-    res["job_s"] = time.perf_counter() - t_start
+
+def main() -> None:
+    job = Job(Path(sys.argv[1]), json.loads(sys.argv[2]))
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    resharding(job, same_layout(job))
+    distopt_at_pp2(job)
+    critic_at_tp2(job)
+    job.res["job_s"] = time.perf_counter() - t_start
     if torch.distributed.get_rank() == 0:
-        torch.save(res, out_dir / "results.pt")
+        torch.save(job.res, job.out_dir / "results.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

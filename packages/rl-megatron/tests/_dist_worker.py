@@ -93,18 +93,15 @@ def gather_to_all(x: Any) -> list[Any]:
     return out
 
 
-def main() -> None:
-    out_dir, models = Path(sys.argv[1]), json.loads(sys.argv[2])
-    torch.set_num_threads(1)
-    res: dict[str, Any] = {}
+def build(models: dict[str, str], arch: str, **kw: Any) -> MegatronPolicy:
+    return MegatronPolicy(MegatronPolicy.Config(model_path=models[arch], lr=LR, **kw))
 
-    def build(arch: str, **kw: Any) -> MegatronPolicy:
-        return MegatronPolicy(MegatronPolicy.Config(model_path=models[arch], lr=LR, **kw))
 
-    # ---------------------------------------------------------------- DP=2
+def dp2_scenarios(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """DP=2, plain and distributed Adam: log-probs, a step, and (distributed) exact resume."""
     for dist_opt in (False, True):
         key = f"dp2_distopt{int(dist_opt)}"
-        policy = build("qwen2", use_distributed_optimizer=dist_opt)
+        policy = build(models, "qwen2", use_distributed_optimizer=dist_opt)
         assert policy.layout.dp_size == 2 and policy.layout.tp_size == 1
         batch = global_batch(policy.model_shape.vocab_size)
         shard = dp_shard(batch, policy.layout.dp_rank)
@@ -135,10 +132,12 @@ def main() -> None:
         del policy
         gc.collect()
 
-    # ---------------------------------------------------------------- TP=2
+
+def tp2_scenarios(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """TP=2 on each architecture: export, log-probs, a step."""
     for arch in ("qwen2", "llama", "qwen3"):
         key = f"tp2_{arch}"
-        policy = build(arch, tp_size=2)
+        policy = build(models, arch, tp_size=2)
         assert policy.layout.tp_size == 2 and policy.layout.dp_size == 1
         res[f"{key}/exported"] = snapshot(policy)
         batch = global_batch(policy.model_shape.vocab_size)
@@ -155,10 +154,12 @@ def main() -> None:
         del policy
         gc.collect()
 
-    # ---------------------------------------------------------------- PP=2
+
+def pp2_scenarios(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """PP=2: export, log-probs, a step, and (tied qwen2) exact resume."""
     for arch in ("qwen2", "llama"):
         key = f"pp2_{arch}"
-        policy = build(arch, pp_size=2)
+        policy = build(models, arch, pp_size=2)
         assert policy.layout.pp_size == 2 and policy.layout.dp_size == 1
         res[f"{key}/exported"] = snapshot(policy)
         batch = global_batch(policy.model_shape.vocab_size)
@@ -184,9 +185,11 @@ def main() -> None:
         del policy
         gc.collect()
 
-    # ------------------------- an RL loss (PPO clip + entropy bonus + KL) at TP=2 and PP=2
+
+def rl_loss_scenarios(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """An RL loss (PPO clip + entropy bonus + KL) at TP=2 and PP=2."""
     for layout in ("tp", "pp"):
-        policy = build("qwen2", **{f"{layout}_size": 2})
+        policy = build(models, "qwen2", **{f"{layout}_size": 2})
         batch = rl_batch(policy)
         res[f"{layout}2_rl/batch"] = batch
         res[f"{layout}2_rl/metrics"] = policy.train_step(batch, rl_loss())
@@ -194,8 +197,10 @@ def main() -> None:
         del policy
         gc.collect()
 
-    # ------------------------------------ TP=2 + distributed optimizer: save, resume exactly
-    policy = build("llama", tp_size=2, use_distributed_optimizer=True)
+
+def tp2_distopt_resume(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """TP=2 + distributed optimizer: save, resume exactly."""
+    policy = build(models, "llama", tp_size=2, use_distributed_optimizer=True)
     batch = global_batch(policy.model_shape.vocab_size)
     policy.train_step(batch, sft_loss)
     policy.save(out_dir / "ckpt_tp2", with_optimizer=True)
@@ -210,8 +215,10 @@ def main() -> None:
     del policy
     gc.collect()
 
-    # ------------------------------------------ layout change: DP=2 checkpoint loaded at TP=2
-    policy = build("qwen2", tp_size=2)
+
+def relayout_scenario(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """Layout change: the DP=2 checkpoint loaded at TP=2."""
+    policy = build(models, "qwen2", tp_size=2)
     try:
         policy.load(out_dir / "ckpt_dp2", with_optimizer=True)
         res["relayout/optimizer_refused"] = False
@@ -226,7 +233,9 @@ def main() -> None:
     del policy
     gc.collect()
 
-    # ------------------------------- the critic (value head) at TP=2 and PP=2: two value steps
+
+def critic_scenarios(res: dict[str, Any], models: dict[str, str], out_dir: Path) -> None:
+    """The critic (value head) at TP=2 and PP=2: two value steps."""
     for layout in ("tp", "pp"):
         critic = MegatronCritic(
             MegatronCritic.Config(model_path=models["qwen2"], lr=1e-2, **{f"{layout}_size": 2})
@@ -239,6 +248,22 @@ def main() -> None:
         res[f"critic_{layout}2/ranks_equal"] = bool(torch.equal(*gather_to_all(values)))
         del critic
         gc.collect()
+
+
+def main() -> None:
+    out_dir, models = Path(sys.argv[1]), json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    res: dict[str, Any] = {}
+    for scenario in (
+        dp2_scenarios,
+        tp2_scenarios,
+        pp2_scenarios,
+        rl_loss_scenarios,
+        tp2_distopt_resume,
+        relayout_scenario,
+        critic_scenarios,
+    ):
+        scenario(res, models, out_dir)
 
     if torch.distributed.get_rank() == 0:
         torch.save(res, out_dir / "results.pt")

@@ -25,7 +25,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -220,131 +220,201 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 
     ``Annotated`` markers apply after the type check: :class:`Range` checks the number,
     :class:`InputPath` and :class:`CodeRef` resolve the location (see :mod:`rl_core.locations`).
+    Every other kind of type goes to the first converter of :data:`_CONVERTERS` that takes it;
+    a type none takes passes the value through.
     """
     if tp is Any or tp is object:
         return value
     base, meta = _split_annotated(tp)
     if meta:
-        if isinstance(value, float) and math.isnan(value):  # name the range, not the type
-            for m in meta:
-                if isinstance(m, Range):
-                    m.check(value, path)
-        out = _convert(base, value, path)
-        if out is None:
-            return None
+        return _convert_annotated(base, meta, value, path)
+    origin = get_origin(tp)
+    for takes, convert in _CONVERTERS:
+        if takes(tp, origin):
+            return convert(tp, value, path)
+    return value
+
+
+def _convert_annotated(base: Any, meta: tuple[Any, ...], value: Any, path: str) -> Any:
+    """``Annotated[base, *meta]``: convert to ``base``, then apply the markers in order."""
+    if isinstance(value, float) and math.isnan(value):  # name the range, not the type
         for m in meta:
             if isinstance(m, Range):
-                m.check(out, path)
-            elif isinstance(m, InputPath):
-                resolved = resolve_input_path(value, m, path)
-                out = Path(resolved) if isinstance(out, Path) else resolved
-            elif isinstance(m, CodeRef):
-                out = resolve_code_ref(value, path)
-        return out
-    origin = get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        args = get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _fail(path, " | ".join(_type_name(a) for a in args), value)
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # X | None: X's own error (a nested field, a range) says more
-            return _convert(options[0], value, path)
-        for arg in options:
-            arg_base, arg_meta = _split_annotated(arg)
-            try:
-                out = _convert(arg_base, value, path)
-            except ConfigError:
-                continue
-            return _convert(arg, out, path) if arg_meta else out
-        raise _fail(path, " | ".join(_type_name(a) for a in options), value)
-    if origin is Literal:
-        allowed = get_args(tp)
-        if value not in allowed:
-            raise ConfigError(
-                f"{path}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}."
-            )
-        return value
-    if tp is ComponentSpec:
-        if isinstance(value, ComponentSpec):
-            return value
-        if isinstance(value, str):
-            return ComponentSpec(type=resolve_code_ref(value, f"{path}.type"))
-        if not isinstance(value, Mapping) or "type" not in value:
-            raise ConfigError(
-                f"{path}: expected a table with a 'type' key naming the backend "
-                f'(e.g. {{type = "hf"}}), got {value!r}.'
-            )
-        if not isinstance(value["type"], str):
-            raise _fail(f"{path}.type", "a registry name or 'module:attr'", value["type"])
-        opts = {k: v for k, v in value.items() if k != "type"}
-        if "options" in opts and len(opts) == 1 and isinstance(opts["options"], Mapping):
-            opts = dict(opts["options"])
-        return ComponentSpec(type=resolve_code_ref(value["type"], f"{path}.type"), options=opts)
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise _fail(path, f"a table for {tp.__name__}", value)
-        return from_dict(tp, value, path=path)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+                m.check(value, path)
+    out = _convert(base, value, path)
+    if out is None:
+        return None
+    for m in meta:
+        if isinstance(m, Range):
+            m.check(out, path)
+        elif isinstance(m, InputPath):
+            resolved = resolve_input_path(value, m, path)
+            out = Path(resolved) if isinstance(out, Path) else resolved
+        elif isinstance(m, CodeRef):
+            out = resolve_code_ref(value, path)
+    return out
+
+
+def _convert_union(tp: Any, value: Any, path: str) -> Any:
+    """``X | Y | None``: ``None`` if allowed, else the first member that takes the value."""
+    args = get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _fail(path, " | ".join(_type_name(a) for a in args), value)
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # X | None: X's own error (a nested field, a range) says more
+        return _convert(options[0], value, path)
+    for arg in options:
+        arg_base, arg_meta = _split_annotated(arg)
         try:
-            return tp(value)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in tp)
-            raise ConfigError(
-                f"{path}: {value!r} is not allowed; choose one of {allowed}."
-            ) from None
-    if origin in (list, Sequence) or tp is list:
-        (item,) = get_args(tp) or (Any,)
-        if not isinstance(value, list | tuple):
-            raise _fail(path, f"a list of {_type_name(item)}", value)
-        return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple or tp is tuple:
-        args = get_args(tp)
-        if not isinstance(value, list | tuple):
-            raise _fail(path, "a list", value)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if args and len(args) != len(value):
-            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}.")
-        return tuple(
-            _convert(a, v, f"{path}[{i}]")
-            for i, (a, v) in enumerate(zip(args or [Any] * len(value), value))
+            out = _convert(arg_base, value, path)
+        except ConfigError:
+            continue
+        return _convert(arg, out, path) if arg_meta else out
+    raise _fail(path, " | ".join(_type_name(a) for a in options), value)
+
+
+def _convert_literal(tp: Any, value: Any, path: str) -> Any:
+    """``Literal[...]``: one of the listed values."""
+    allowed = get_args(tp)
+    if value not in allowed:
+        raise ConfigError(
+            f"{path}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}."
         )
-    if origin in (dict, Mapping) or tp is dict:
-        kt, vt = get_args(tp) or (str, Any)
-        if not isinstance(value, Mapping):
-            raise _fail(path, "a table", value)
-        return {_convert(kt, k, path): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _fail(path, "bool (true/false)", value)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _fail(path, "int", value)
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool) and value == value:
-            return float(value)
-        raise _fail(path, "a number" if value != value else "float", value)
-    if tp is str:
-        if isinstance(value, str):
-            return str(value)
-        raise _fail(path, "str", value)
-    if tp is Path:
-        if isinstance(value, str | Path):
-            return Path(value)
-        raise _fail(path, "a path string", value)
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        raise _fail(path, tp.__name__, value)
     return value
+
+
+def _convert_component(tp: Any, value: Any, path: str) -> Any:
+    """:class:`ComponentSpec`: a ``type`` string, or a table with ``type`` plus options."""
+    if isinstance(value, ComponentSpec):
+        return value
+    if isinstance(value, str):
+        return ComponentSpec(type=resolve_code_ref(value, f"{path}.type"))
+    if not isinstance(value, Mapping) or "type" not in value:
+        raise ConfigError(
+            f"{path}: expected a table with a 'type' key naming the backend "
+            f'(e.g. {{type = "hf"}}), got {value!r}.'
+        )
+    if not isinstance(value["type"], str):
+        raise _fail(f"{path}.type", "a registry name or 'module:attr'", value["type"])
+    opts = {k: v for k, v in value.items() if k != "type"}
+    if "options" in opts and len(opts) == 1 and isinstance(opts["options"], Mapping):
+        opts = dict(opts["options"])
+    return ComponentSpec(type=resolve_code_ref(value["type"], f"{path}.type"), options=opts)
+
+
+def _convert_dataclass(tp: Any, value: Any, path: str) -> Any:
+    """A nested config dataclass: an instance, or a table built with :func:`from_dict`."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, Mapping):
+        raise _fail(path, f"a table for {tp.__name__}", value)
+    return from_dict(tp, value, path=path)
+
+
+def _convert_enum(tp: Any, value: Any, path: str) -> Any:
+    """An :class:`enum.Enum`: one of its values."""
+    try:
+        return tp(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in tp)
+        raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {allowed}.") from None
+
+
+def _convert_list(tp: Any, value: Any, path: str) -> Any:
+    """``list[X]`` / ``Sequence[X]``: a list (or tuple) of ``X``, returned as a list."""
+    (item,) = get_args(tp) or (Any,)
+    if not isinstance(value, list | tuple):
+        raise _fail(path, f"a list of {_type_name(item)}", value)
+    return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+
+def _convert_tuple(tp: Any, value: Any, path: str) -> Any:
+    """``tuple[X, ...]`` or a fixed-length ``tuple[X, Y]``: a list (or tuple), as a tuple."""
+    args = get_args(tp)
+    if not isinstance(value, list | tuple):
+        raise _fail(path, "a list", value)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if args and len(args) != len(value):
+        raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}.")
+    return tuple(
+        _convert(a, v, f"{path}[{i}]")
+        for i, (a, v) in enumerate(zip(args or [Any] * len(value), value))
+    )
+
+
+def _convert_dict(tp: Any, value: Any, path: str) -> Any:
+    """``dict[K, V]`` / ``Mapping[K, V]``: a table, keys and values converted."""
+    kt, vt = get_args(tp) or (str, Any)
+    if not isinstance(value, Mapping):
+        raise _fail(path, "a table", value)
+    return {_convert(kt, k, path): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
+
+
+def _convert_bool(tp: Any, value: Any, path: str) -> Any:
+    """``bool``: only ``true`` / ``false`` (no 0/1, no strings)."""
+    if isinstance(value, bool):
+        return value
+    raise _fail(path, "bool (true/false)", value)
+
+
+def _convert_int(tp: Any, value: Any, path: str) -> Any:
+    """``int``: an int (not a bool), or a float with an integer value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise _fail(path, "int", value)
+
+
+def _convert_float(tp: Any, value: Any, path: str) -> Any:
+    """``float``: an int or float (not a bool, not NaN), as a float."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == value:
+        return float(value)
+    raise _fail(path, "a number" if value != value else "float", value)
+
+
+def _convert_str(tp: Any, value: Any, path: str) -> Any:
+    """``str``: a string."""
+    if isinstance(value, str):
+        return str(value)
+    raise _fail(path, "str", value)
+
+
+def _convert_path(tp: Any, value: Any, path: str) -> Any:
+    """``Path``: a string or path, as a :class:`~pathlib.Path`."""
+    if isinstance(value, str | Path):
+        return Path(value)
+    raise _fail(path, "a path string", value)
+
+
+def _convert_instance(tp: Any, value: Any, path: str) -> Any:
+    """Any other class: an instance of it, unchanged."""
+    if isinstance(value, tp):
+        return value
+    raise _fail(path, tp.__name__, value)
+
+
+_CONVERTERS: tuple[tuple[Callable[[Any, Any], bool], Callable[[Any, Any, str], Any]], ...] = (
+    (lambda tp, origin: origin is typing.Union or origin is types.UnionType, _convert_union),
+    (lambda tp, origin: origin is Literal, _convert_literal),
+    (lambda tp, origin: tp is ComponentSpec, _convert_component),
+    (lambda tp, origin: dataclasses.is_dataclass(tp) and isinstance(tp, type), _convert_dataclass),
+    (lambda tp, origin: isinstance(tp, type) and issubclass(tp, enum.Enum), _convert_enum),
+    (lambda tp, origin: origin in (list, Sequence) or tp is list, _convert_list),
+    (lambda tp, origin: origin is tuple or tp is tuple, _convert_tuple),
+    (lambda tp, origin: origin in (dict, Mapping) or tp is dict, _convert_dict),
+    (lambda tp, origin: tp is bool, _convert_bool),
+    (lambda tp, origin: tp is int, _convert_int),
+    (lambda tp, origin: tp is float, _convert_float),
+    (lambda tp, origin: tp is str, _convert_str),
+    (lambda tp, origin: tp is Path, _convert_path),
+    (lambda tp, origin: isinstance(tp, type), _convert_instance),
+)
+"""``(takes(tp, origin), convert(tp, value, path))`` in the order :func:`_convert` tries them
+(the order matters: ``bool`` before ``int``, a dataclass or enum before any class)."""
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str = "") -> T:

@@ -166,35 +166,9 @@ def split_megatron_args(megatron_args: Mapping[str, Any]) -> dict[str, dict[str,
     return out
 
 
-def transformer_config_from_hf(
-    hf_config: Any,
-    *,
-    tp_size: int = 1,
-    pp_size: int = 1,
-    params_dtype: torch.dtype = torch.float32,
-    overrides: Mapping[str, Any] | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """Megatron ``TransformerConfig`` and ``GPTModel`` keyword arguments for a HF config.
-
-    Args:
-        hf_config: a ``transformers`` config of a supported ``model_type``.
-        tp_size: tensor-parallel size.
-        pp_size: pipeline-parallel size.
-        params_dtype: parameter dtype (``torch.bfloat16`` also turns on Megatron's bf16 mode).
-        overrides: ``TransformerConfig`` fields to set (the ``"transformer"`` part of
-            :func:`split_megatron_args`); CPU-safe defaults (no fusions, no dropout) otherwise.
-
-    Returns:
-        ``(transformer_config, gpt_model_kwargs)``; the kwargs hold ``vocab_size`` (unpadded),
-        ``max_sequence_length``, ``share_embeddings_and_output_weights``,
-        ``position_embedding_type`` and ``rotary_base``.
-
-    Raises:
-        ConfigError: the model type or one of its options is not supported, naming the field.
-    """
-    from megatron.core.transformer import TransformerConfig
-
-    cfg = _hf_text_config(hf_config)
+def _check_supported(cfg: Any) -> str:
+    """The ``model_type`` of HF text config ``cfg``, after refusing what the converter cannot
+    map (model type, activation, biases, sliding window), naming the config.json field."""
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -219,6 +193,14 @@ def transformer_config_from_hf(
         raise ConfigError(
             "config.json use_sliding_window: sliding-window attention is not supported."
         )
+    return str(model_type)
+
+
+def _transformer_kwargs(
+    cfg: Any, *, tp_size: int, pp_size: int, params_dtype: torch.dtype
+) -> dict[str, Any]:
+    """``TransformerConfig`` keyword arguments for HF text config ``cfg`` (before overrides)."""
+    model_type = _check_supported(cfg)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -262,6 +244,39 @@ def transformer_config_from_hf(
         "bf16": bf16,
         "attention_softmax_in_fp32": True,
     }
+    return kwargs
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Megatron ``TransformerConfig`` and ``GPTModel`` keyword arguments for a HF config.
+
+    Args:
+        hf_config: a ``transformers`` config of a supported ``model_type``.
+        tp_size: tensor-parallel size.
+        pp_size: pipeline-parallel size.
+        params_dtype: parameter dtype (``torch.bfloat16`` also turns on Megatron's bf16 mode).
+        overrides: ``TransformerConfig`` fields to set (the ``"transformer"`` part of
+            :func:`split_megatron_args`); CPU-safe defaults (no fusions, no dropout) otherwise.
+
+    Returns:
+        ``(transformer_config, gpt_model_kwargs)``; the kwargs hold ``vocab_size`` (unpadded),
+        ``max_sequence_length``, ``share_embeddings_and_output_weights``,
+        ``position_embedding_type`` and ``rotary_base``.
+
+    Raises:
+        ConfigError: the model type or one of its options is not supported, naming the field.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = _hf_text_config(hf_config)
+    kwargs = _transformer_kwargs(cfg, tp_size=tp_size, pp_size=pp_size, params_dtype=params_dtype)
     for key, value in (overrides or {}).items():
         if key in ARCHITECTURE_FIELDS:
             raise ConfigError(f"policy.megatron_args.{key}: derived from config.json; remove it.")
@@ -345,82 +360,95 @@ class HFWeightMap:
                     "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"
                 )
             )
-        qkv_bias = self.model_type == "qwen2"
         for local, glob in sorted(layers.items()):
-            hf = f"model.layers.{glob}."
-            mc = f"decoder.layers.{local}."
-            entries.append(
-                WeightEntry(
-                    mc + "self_attention.linear_qkv.weight",
-                    tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                    "qkv",
-                )
-            )
-            if qkv_bias:
-                entries.append(
-                    WeightEntry(
-                        mc + "self_attention.linear_qkv.bias",
-                        tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"),
-                        "qkv",
-                    )
-                )
-            entries.append(
-                WeightEntry(
-                    mc + "self_attention.linear_proj.weight",
-                    (hf + "self_attn.o_proj.weight",),
-                    "row",
-                )
-            )
-            if self.model_type == "qwen3":
-                for p in "qk":
-                    entries.append(
-                        WeightEntry(
-                            mc + f"self_attention.{p}_layernorm.weight",
-                            (hf + f"self_attn.{p}_norm.weight",),
-                            "replicated",
-                        )
-                    )
-            entries.append(
-                WeightEntry(
-                    mc + "mlp.linear_fc1.weight",
-                    (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                    "fc1",
-                )
-            )
-            entries.append(
-                WeightEntry(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row")
-            )
-            entries.append(
-                WeightEntry(
-                    mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"
-                )
-            )
-            entries.append(
-                WeightEntry(
-                    mc + "pre_mlp_layernorm.weight",
-                    (hf + "post_attention_layernorm.weight",),
-                    "replicated",
-                )
-            )
+            entries += self._layer_entries(local, glob)
         if post_process:
-            entries.append(
-                WeightEntry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
-            )
-            if not self.tied:
-                entries.append(WeightEntry("output_layer.weight", ("lm_head.weight",), "vocab"))
-            elif not pre_process:  # pipeline: the last stage holds a copy of the embedding
-                entries.append(
-                    WeightEntry(
-                        "output_layer.weight",
-                        ("model.embed_tokens.weight",),
-                        "vocab",
-                        exported=False,
-                    )
-                )
+            entries += self._output_entries(pre_process=pre_process)
         self.entries: tuple[WeightEntry, ...] = tuple(entries)
         """Every parameter of this stage, in Hugging Face ``state_dict`` order."""
         self.by_hf_name: dict[str, WeightEntry] = {n: e for e in entries for n in e.hf_names}
         """HF name -> the entry that holds it."""
+
+    def _layer_entries(self, local: int, glob: int) -> list[WeightEntry]:
+        """The entries of decoder layer ``local`` of this stage (HF layer ``glob``)."""
+        qkv_bias = self.model_type == "qwen2"
+        entries: list[WeightEntry] = []
+        hf = f"model.layers.{glob}."
+        mc = f"decoder.layers.{local}."
+        entries.append(
+            WeightEntry(
+                mc + "self_attention.linear_qkv.weight",
+                tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                "qkv",
+            )
+        )
+        if qkv_bias:
+            entries.append(
+                WeightEntry(
+                    mc + "self_attention.linear_qkv.bias",
+                    tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                    "qkv",
+                )
+            )
+        entries.append(
+            WeightEntry(
+                mc + "self_attention.linear_proj.weight",
+                (hf + "self_attn.o_proj.weight",),
+                "row",
+            )
+        )
+        if self.model_type == "qwen3":
+            for p in "qk":
+                entries.append(
+                    WeightEntry(
+                        mc + f"self_attention.{p}_layernorm.weight",
+                        (hf + f"self_attn.{p}_norm.weight",),
+                        "replicated",
+                    )
+                )
+        entries.append(
+            WeightEntry(
+                mc + "mlp.linear_fc1.weight",
+                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                "fc1",
+            )
+        )
+        entries.append(
+            WeightEntry(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row")
+        )
+        entries.append(
+            WeightEntry(
+                mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"
+            )
+        )
+        entries.append(
+            WeightEntry(
+                mc + "pre_mlp_layernorm.weight",
+                (hf + "post_attention_layernorm.weight",),
+                "replicated",
+            )
+        )
+        return entries
+
+    def _output_entries(self, *, pre_process: bool) -> list[WeightEntry]:
+        """The entries of the last stage: final norm, and the LM head (or, for a tied model on a
+        stage without the embedding, the embedding copy it holds)."""
+        entries: list[WeightEntry] = []
+        entries.append(
+            WeightEntry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
+        )
+        if not self.tied:
+            entries.append(WeightEntry("output_layer.weight", ("lm_head.weight",), "vocab"))
+        elif not pre_process:  # pipeline: the last stage holds a copy of the embedding
+            entries.append(
+                WeightEntry(
+                    "output_layer.weight",
+                    ("model.embed_tokens.weight",),
+                    "vocab",
+                    exported=False,
+                )
+            )
+        return entries
 
     # ------------------------------------------------------------------ HF -> Megatron
 

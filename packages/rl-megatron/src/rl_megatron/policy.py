@@ -29,13 +29,15 @@ broadcast from it so every rank returns the same values.
 
 Tensor-name legend: ``T`` packed tokens, ``N`` sequences, ``L`` longest sequence, ``S`` scored
 positions, ``V`` this rank's vocabulary slice.
+
+Layout: this module holds the config, model construction, forward and the train step; the class
+gets pipeline execution from ``_policy_pipeline``, weight export/import from ``_policy_weights``
+and ``save``/``load`` from ``_policy_checkpoint`` (mixins over shared attributes).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -43,12 +45,17 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, PositiveInt, Seed
-from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
+from rl_core.errors import ConfigError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_megatron._policy_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT  # re-export
+from rl_megatron._policy_checkpoint import OPTIM_DIR as OPTIM_DIR  # re-export
+from rl_megatron._policy_checkpoint import STATE_FILE as STATE_FILE  # re-export
+from rl_megatron._policy_checkpoint import _CheckpointMixin
+from rl_megatron._policy_pipeline import _PipelineMixin, _to_device
+from rl_megatron._policy_weights import _WeightsMixin
 from rl_megatron.convert import (
     HFWeightMap,
-    WeightEntry,
     padded_vocab_size,
     split_megatron_args,
     transformer_config_from_hf,
@@ -58,17 +65,10 @@ from rl_megatron.parallel import ParallelLayout, init_parallel
 
 __all__ = ["MegatronPolicy"]
 
-STATE_FILE = "rl_policy_state.pt"
-"""File (next to the HF weights) holding version, schedule position and layout; written last."""
-CHECKPOINT_FORMAT = 2
-"""Version of the checkpoint layout in :data:`STATE_FILE`: 2 = optimizer state in
-megatron-core's ``torch_dist`` format (1 = per-rank files under :data:`OPTIM_DIR`)."""
-OPTIM_DIR = "megatron_optimizer"
-"""Format 1's sub-directory of per-rank optimizer-state files (no longer written or read)."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class MegatronPolicy(Policy):
+class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
     """A trainable Llama / Qwen2 / Qwen3 causal LM on megatron-core (see the module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
@@ -530,390 +530,6 @@ class MegatronPolicy(Policy):
         }
         metrics.update(totals)
         return metrics
-
-    # ------------------------------------------------------------------ pipeline parallel
-
-    def _run_pipeline(
-        self,
-        micro_batches: list[TrainBatch],
-        loss_for: Any,
-        *,
-        forward_only: bool,
-    ) -> None:
-        """Run Megatron's 1F1B schedule over the non-empty micro-batches.
-
-        ``loss_for(index, prep, logits_NLV)`` runs on the last stage and returns the scalar to
-        back-propagate (ignored when ``forward_only``).
-        """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        items = [
-            (i, p) for i, mb in enumerate(micro_batches) if (p := self._prepare(mb)) is not None
-        ]
-        if not items:
-            return
-
-        def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[Any, Any]:
-            index, prep = next(data_iterator)
-            output = model(
-                prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
-            )
-
-            def loss_func(logits_NLV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-                loss = loss_for(index, prep, logits_NLV)
-                return loss, torch.ones((), dtype=torch.int), {}
-
-            return output, loss_func
-
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(items),
-            model=[self.model],
-            num_microbatches=len(items),
-            seq_length=max(int(p["tokens_NL"].shape[1]) for _, p in items),
-            micro_batch_size=max(int(p["tokens_NL"].shape[0]) for _, p in items),
-            forward_only=forward_only,
-        )
-
-    def _broadcast_from_last_stage(self, x_T: torch.Tensor) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-
-        torch.distributed.broadcast(
-            x_T,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
-        return x_T
-
-    def _pipeline_logprobs(
-        self, batch: TrainBatch, *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs through the pipeline; the last stage broadcasts them to every stage."""
-        mbs = batch.micro_batches()
-        device = self._device()
-        logp_T = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
-        ent_T = torch.zeros_like(logp_T) if with_entropy else None
-        offsets = [int(batch.cu_seqlens[b]) for b in (batch.micro_batch_bounds or (0,))]
-
-        def loss_for(index: int, prep: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
-            lp, ent = self._logits_to_logp(logits, prep, with_entropy=with_entropy)
-            t0 = offsets[index]
-            logp_T[t0 : t0 + lp.shape[0]] = lp
-            if ent_T is not None and ent is not None:
-                ent_T[t0 : t0 + ent.shape[0]] = ent
-            return logits.new_zeros(())
-
-        self._run_pipeline(mbs, loss_for, forward_only=True)
-        logp_T = self._broadcast_from_last_stage(logp_T)
-        if ent_T is not None:
-            ent_T = self._broadcast_from_last_stage(ent_T)
-        return logp_T, ent_T
-
-    def _pipeline_train(
-        self, batch: TrainBatch, loss_fn: LossFn, *, needs_entropy: bool, record: Any
-    ) -> None:
-        """Forward and backward of every micro-batch through the pipeline (1F1B)."""
-        mbs = batch.micro_batches()
-
-        def loss_for(index: int, prep: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
-            logp_T, ent_T = self._logits_to_logp(logits, prep, with_entropy=needs_entropy)
-            out = loss_fn(logp_T, _to_device(mbs[index], logp_T.device), ent_T)
-            record(out)
-            loss = out.loss
-            if not loss.requires_grad:  # the stage before still needs a (zero) gradient
-                loss = loss + 0.0 * logp_T.sum()
-            return loss
-
-        self._run_pipeline(mbs, loss_for, forward_only=False)
-
-    # ------------------------------------------------------------------ weights
-
-    def _gathered_shards(self, entry: WeightEntry) -> list[torch.Tensor]:
-        from megatron.core import parallel_state as ps
-
-        local = self._params[entry.mcore_name].detach()
-        if self.weight_map.gather_dim(entry) is None or self.layout.tp_size == 1:
-            return [local]
-        group = ps.get_tensor_model_parallel_group()
-        shards = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=group)
-        return shards
-
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full tensor)`` for every weight, in Hugging Face ``state_dict`` order.
-
-        Tensor-parallel shards are gathered and the vocabulary padding trimmed, so every rank
-        yields the same full tensors: a collective, every rank must consume the iterator to the
-        end. With tied embeddings ``lm_head.weight`` is omitted (as ``HFPolicy``). At TP=1 the
-        tensors are detached views of the live weights: copy them if you keep them across a
-        ``train_step``.
-        """
-        if self.layout.pp_size == 1:
-            for entry in self.weight_map.entries:
-                for name, tensor in self.weight_map.to_hf(entry, self._gathered_shards(entry)):
-                    yield name, tensor.detach()
-            return
-        yield from self._pipeline_named_weights()
-
-    def _owner_stage(self, entry: WeightEntry) -> int:
-        """Pipeline stage that holds ``entry`` of the global (all-layers) map."""
-        name = entry.mcore_name
-        if name.startswith("embedding."):
-            return 0
-        if name.startswith("decoder.layers."):
-            return int(name.split(".")[2]) // self._layers_per_stage
-        return self.layout.pp_size - 1
-
-    def _pipeline_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each stage gathers its TP shards; the owner broadcasts each HF tensor over the
-        pipeline group (shape first), so every rank yields every weight."""
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_pipeline_model_parallel_group()
-        device = self._device()
-        for entry in self._global_map.entries:
-            owner = self._owner_stage(entry)
-            src = torch.distributed.get_global_rank(group, owner)
-            mine: list[tuple[str, torch.Tensor]] = []
-            if owner == self.layout.pp_rank:
-                local = self.weight_map.by_hf_name[entry.hf_names[0]]
-                mine = list(self.weight_map.to_hf(local, self._gathered_shards(local)))
-            for i, name in enumerate(entry.hf_names):
-                shape_4 = torch.full((4,), -1, dtype=torch.int64, device=device)
-                if mine:
-                    shape = mine[i][1].shape
-                    shape_4[: len(shape)] = torch.tensor(shape, dtype=torch.int64)
-                torch.distributed.broadcast(shape_4, src=src, group=group)
-                shape = tuple(int(d) for d in shape_4 if d >= 0)
-                tensor = (
-                    mine[i][1].contiguous()
-                    if mine
-                    else torch.empty(shape, dtype=self._params_dtype, device=device)
-                )
-                torch.distributed.broadcast(tensor, src=src, group=group)
-                yield name, tensor.detach()
-
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
-    ) -> None:
-        """Copy Hugging Face-named full tensors into this rank's shards and set the version.
-
-        Collective (every rank passes the same tensors). Names and shapes are checked before any
-        weight changes; names not given keep their values (a fused Megatron tensor such as qkv
-        is completed from the current weights); for a tied model ``lm_head.weight`` is accepted
-        and written to the shared matrix.
-
-        Raises:
-            WeightSyncError: an unknown name or a shape mismatch (nothing is changed).
-        """
-        self._copy_in(dict(named_tensors), error=WeightSyncError, source="load_weights")
-        self._version = int(version)
-
-    def _expected_hf_shapes(self, entry: WeightEntry) -> dict[str, tuple[int, ...]]:
-        local = self._params[entry.mcore_name]
-        shards = [local.detach()] * (
-            1 if self.weight_map.gather_dim(entry) is None else self.layout.tp_size
-        )
-        return {n: tuple(t.shape) for n, t in self.weight_map.to_hf(entry, shards)}
-
-    def _copy_in(
-        self, tensors: dict[str, torch.Tensor], *, error: type[RLError], source: str
-    ) -> None:
-        wm = self.weight_map
-        if wm.tied and "lm_head.weight" in tensors:
-            lm_head = tensors.pop("lm_head.weight")
-            tensors.setdefault("model.embed_tokens.weight", lm_head)
-        self._global_map.check_names(list(tensors), error=error, source=source)
-        # Pipeline stages take the names they hold (the owner stage checks the shape).
-        tensors = {n: t for n, t in tensors.items() if n in wm.by_hf_name}
-        touched = [e for e in wm.entries if any(n in tensors for n in e.hf_names)]
-        for entry in touched:
-            expected = self._expected_hf_shapes(entry)
-            for name in entry.hf_names:
-                if name in tensors and tuple(tensors[name].shape) != expected[name]:
-                    raise error(
-                        f"{source}: weight {name!r} has shape {tuple(tensors[name].shape)}, the "
-                        f"model expects {expected[name]}; is it from a different model config?"
-                    )
-        with torch.no_grad():
-            for entry in touched:
-                if not all(n in tensors for n in entry.hf_names):
-                    current = dict(wm.to_hf(entry, self._gathered_shards(entry)))
-                    parts = [tensors.get(n, current[n]) for n in entry.hf_names]
-                else:
-                    parts = [tensors[n] for n in entry.hf_names]
-                param = self._params[entry.mcore_name]
-                parts = [p.to(device=param.device, dtype=param.dtype) for p in parts]
-                shard = wm.to_megatron(entry, parts, self.layout.tp_rank, self.layout.tp_size)
-                param.data.copy_(shard)
-        reload = getattr(getattr(self, "optimizer", None), "reload_model_params", None)
-        if callable(reload):
-            reload()
-
-    def _load_hf_dir(self, path: Path, *, error: type[RLError]) -> None:
-        from safetensors import safe_open
-
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise error(f"{path}: no *.safetensors weights; save the model with save_pretrained.")
-        wanted = {n for e in self.weight_map.entries for n in e.hf_names}
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if name in wanted or (self.weight_map.tied and name == "lm_head.weight"):
-                        tensors[name] = handle.get_tensor(name)
-        if self.weight_map.tied and "model.embed_tokens.weight" in tensors:
-            tensors.pop("lm_head.weight", None)
-        missing = sorted(wanted - set(tensors))
-        if missing:
-            raise error(
-                f"{path}: weights {missing[:3]} missing from the checkpoint; was it saved from a "
-                "different model?"
-            )
-        self._copy_in(tensors, error=error, source=str(path))
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _layout_record(self) -> dict[str, Any]:
-        return {
-            "tp_size": self.layout.tp_size,
-            "pp_size": self.layout.pp_size,
-            "dp_size": self.layout.dp_size,
-            "use_distributed_optimizer": self.config.use_distributed_optimizer,
-        }
-
-    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
-        """Write a Hugging Face model directory plus, optionally, a Megatron distributed
-        checkpoint of the weights and optimizer state (collective).
-
-        Global rank 0 writes ``config.json``, ``model.safetensors`` (full tensors, HF names,
-        loadable by ``AutoModelForCausalLM`` and by this policy at any layout) and the tokenizer.
-        With ``with_optimizer`` all ranks write the model and optimizer state in megatron-core's
-        ``torch_dist`` format under :data:`~rl_megatron.checkpoint.DIST_DIR` (loadable at another
-        TP/PP/DP layout, see :mod:`rl_megatron.checkpoint`). Rank 0 removes an older
-        :data:`STATE_FILE` first and writes the new one (version, schedule position, layout)
-        last, after a barrier, so a directory with a state file is a complete checkpoint.
-
-        Raises:
-            CheckpointError: (every rank, before the optimizer state is written, so no state
-                file) the distributed optimizer's state would not load back as it is; see
-                :func:`~rl_megatron.checkpoint.save_distributed`.
-        """
-        from safetensors.torch import save_file
-
-        from rl_megatron.checkpoint import DIST_DIR, DISTOPT_SHARDING, save_distributed
-
-        out = Path(directory)
-        rank = self.layout.rank
-        weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / STATE_FILE).unlink(missing_ok=True)
-            shutil.rmtree(out / DIST_DIR, ignore_errors=True)
-            shutil.rmtree(out / OPTIM_DIR, ignore_errors=True)  # format 1 (per-rank files)
-            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-            self.hf_config.save_pretrained(str(out))
-            src_gen = Path(self.config.model_path) / "generation_config.json"
-            if src_gen.is_file() and src_gen.resolve() != (out / src_gen.name).resolve():
-                shutil.copyfile(src_gen, out / src_gen.name)
-            self.tokenizer.save_pretrained(str(out))
-        torch.distributed.barrier()
-        if with_optimizer:
-            save_distributed(
-                self.module,
-                self.optimizer,
-                out / DIST_DIR,
-                distributed_optimizer=self.config.use_distributed_optimizer,
-            )
-        torch.distributed.barrier()
-        if rank == 0:
-            state = {
-                "format": CHECKPOINT_FORMAT,
-                "version": self._version,
-                "applied_steps": self._applied_steps,
-                "with_optimizer": with_optimizer,
-                "optimizer_format": "torch_dist" if with_optimizer else None,
-                "distrib_optim_sharding_type": (
-                    DISTOPT_SHARDING if self.config.use_distributed_optimizer else None
-                ),
-                "layout": self._layout_record(),
-            }
-            tmp = out / (STATE_FILE + ".tmp")
-            torch.save(state, tmp)
-            tmp.replace(out / STATE_FILE)
-        torch.distributed.barrier()
-
-    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
-        """Restore weights, version, schedule position and (if ``with_optimizer``) optimizer
-        state (collective).
-
-        ``with_optimizer=False`` reads the Hugging Face weights, at any layout.
-        ``with_optimizer=True`` reads the weights and optimizer state from the Megatron
-        distributed checkpoint, at any TP/PP/DP layout of the same model and the same
-        ``use_distributed_optimizer`` setting; training then continues as if uninterrupted.
-
-        Raises:
-            CheckpointError: files are missing, a weight is missing or has the wrong shape, the
-                optimizer state was asked for but not saved (or saved by an older version), or
-                it was saved with the other ``use_distributed_optimizer`` setting.
-        """
-        from rl_megatron.checkpoint import DIST_DIR, load_distributed
-
-        src = Path(directory)
-        state_path = src / STATE_FILE
-        if not state_path.is_file() or not list(src.glob("*.safetensors")):
-            raise CheckpointError(
-                f"{src}: not a policy checkpoint (needs *.safetensors and {STATE_FILE}); write one "
-                "with MegatronPolicy.save."
-            )
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-        if with_optimizer:
-            self._check_optimizer_checkpoint(state_path, state)
-            load_distributed(
-                self.module,
-                self.optimizer,
-                src / DIST_DIR,
-                distributed_optimizer=self.config.use_distributed_optimizer,
-            )
-        else:
-            self._load_hf_dir(src, error=CheckpointError)
-        self._version = int(state["version"])
-        self._applied_steps = int(state["applied_steps"])
-
-    def _check_optimizer_checkpoint(self, state_path: Path, state: dict[str, Any]) -> None:
-        """Refuse, before reading any tensor, optimizer state this policy cannot restore."""
-        if not state.get("with_optimizer"):
-            raise CheckpointError(
-                f"{state_path}: saved without optimizer state; load with with_optimizer=False."
-            )
-        if state.get("optimizer_format") != "torch_dist":
-            raise CheckpointError(
-                f"{state_path}: the optimizer state is in checkpoint format "
-                f"{state.get('format')} (per-rank files), which this version no longer reads; "
-                "load with with_optimizer=False (the weights and version load, Adam restarts)."
-            )
-        saved = bool(state["layout"]["use_distributed_optimizer"])
-        if saved != self.config.use_distributed_optimizer:
-            raise CheckpointError(
-                f"{state_path}: optimizer state was saved with use_distributed_optimizer={saved}, "
-                f"this policy runs use_distributed_optimizer={self.config.use_distributed_optimizer}"
-                f"; set policy.use_distributed_optimizer={saved} to resume (TP, PP and DP sizes "
-                "may differ), or load with with_optimizer=False."
-            )
-
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    import dataclasses
-
-    if batch.tokens.device == device:
-        return batch
-    moved = {
-        f.name: getattr(batch, f.name).to(device)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
 
 
 def _sum_step_values(values: dict[str, float], *, count: bool) -> dict[str, float]:

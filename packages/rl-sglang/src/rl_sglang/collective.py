@@ -21,8 +21,8 @@ the same process) get the staged tensors through :meth:`receive`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +37,23 @@ from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
 
 __all__ = ["SGLangCollectiveTransport", "init_custom_process_group"]
+
+log = logging.getLogger(__name__)
+
+
+def _shutdown_group(pg: Any, name: str) -> None:
+    """Shut down a weight-update process group being dropped; a failure is logged, not raised
+    (the group is discarded either way and rebuilt on the next update)."""
+    try:
+        pg.shutdown()
+    except Exception as e:
+        log.warning(
+            "SGLangCollectiveTransport: shutting down weight-update group %r failed (%s: %s); "
+            "it is dropped anyway.",
+            name,
+            type(e).__name__,
+            e,
+        )
 
 
 def init_custom_process_group(
@@ -226,8 +243,7 @@ class SGLangCollectiveTransport(WeightTransport):
             ),
             return_exceptions=True,
         )
-        with contextlib.suppress(Exception):
-            self._pg.shutdown()
+        _shutdown_group(self._pg, self._group_name)
         self._pg = None
         self._members = ()
 
@@ -284,9 +300,8 @@ class SGLangCollectiveTransport(WeightTransport):
 
     def close(self) -> None:
         """Forget the group and the staged weights."""
-        with contextlib.suppress(Exception):
-            if self._pg is not None:
-                self._pg.shutdown()
+        if self._pg is not None:
+            _shutdown_group(self._pg, self._group_name)
         self._pg = None
         self._members = ()
         self._staged = None

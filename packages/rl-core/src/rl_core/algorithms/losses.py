@@ -183,7 +183,6 @@ class PolicyLoss:
         self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
     ) -> LossOutput:
         """The weighted loss of one micro-batch and its weighted metrics."""
-        cfg = self.config
         _check_logprobs(logprobs, batch, "PolicyLoss")
         logp_T = logprobs
         dtype = logp_T.dtype
@@ -192,69 +191,121 @@ class PolicyLoss:
         w_T = batch.loss_weights.to(dtype) * m_T
         adv_T = _masked(batch.advantages.to(dtype), on_T)
         old_T = logp_T.detach() if batch.old_logprobs is None else batch.old_logprobs.to(dtype)
-
-        # log-ratio, 0 off the mask so garbage log-probs there cannot overflow exp()
-        log_ratio_T = _masked(logp_T - old_T, on_T)
-        if cfg.variant == "gspo":
-            n = batch.num_sequences
-            seq_T = seq_index(batch.cu_seqlens)
-            count_N = segment_sum(m_T, seq_T, n).clamp_min(1.0)
-            log_ratio_T = (segment_sum(log_ratio_T, seq_T, n) / count_N)[seq_T] * m_T
-        # clamped: exp(>88) is inf in float32, and 0 * inf a NaN loss/gradient (LOG_RATIO_BOUND)
-        ratio_T = torch.exp(clamp_log_ratio(log_ratio_T))
-
-        eps_low = cfg.eps_clip_low
-        eps_high = cfg.eps_clip_low if cfg.eps_clip_high is None else cfg.eps_clip_high
-        lo, hi = 1.0 - eps_low, 1.0 + eps_high
         metrics: dict[str, float] = {}
 
-        if cfg.variant == "cispo":
-            clipped_ratio_T = ratio_T.clamp(lo, hi).detach()
-            pg_T = -clipped_ratio_T * adv_T * _masked(logp_T, on_T)
-            clipfrac_T = ((ratio_T < lo) | (ratio_T > hi)).to(dtype)
-        else:
-            loss1_T = -adv_T * ratio_T
-            loss2_T = -adv_T * ratio_T.clamp(lo, hi)
-            pg_T = torch.maximum(loss1_T, loss2_T)
-            clipfrac_T = (loss2_T > loss1_T).to(dtype)
-            if cfg.dual_clip_c is not None:
-                loss3_T = -adv_T * cfg.dual_clip_c
-                dual_T = (adv_T < 0) & (loss3_T < pg_T)
-                pg_T = torch.where(dual_T, loss3_T, pg_T)
-                metrics["pg_clipfrac_lower"] = _wsum(dual_T.to(dtype), w_T)
-
-        if batch.rollout_logprobs is not None:
-            roll_T = batch.rollout_logprobs.to(dtype)
-            metrics["mismatch"] = _wsum(logprob_mismatch(old_T, roll_T, m_T), w_T)
-        if cfg.correction != "none":
-            if batch.rollout_logprobs is None:
-                raise ConfigError(
-                    f"PolicyLoss.Config.correction = {cfg.correction!r} needs "
-                    "TrainBatch.rollout_logprobs (the engine's log-probs); have the generator "
-                    "return log-probs or set correction = 'none'."
-                )
-            corr = importance_weights(
-                old_T.detach(),
-                batch.rollout_logprobs.to(dtype),
-                m_T,
-                batch.cu_seqlens,
-                mode=cfg.correction,
-                level=cfg.correction_level,
-                clip_low=cfg.correction_clip_low,
-                clip_high=cfg.correction_clip_high,
-            )
-            pg_T = pg_T * corr.weights_T
-            metrics["tis_weight_mean"] = _wsum(corr.weights_T, w_T)
-            metrics["tis_clipfrac"] = _wsum(corr.clipped_T, w_T)
+        ratio_T = self._ratio(logp_T, old_T, on_T, m_T, batch)
+        pg_T, clipfrac_T = self._clipped_pg(ratio_T, adv_T, logp_T, on_T, w_T, metrics)
+        pg_T = self._corrected(pg_T, old_T, m_T, w_T, batch, metrics)
 
         pg_loss = (pg_T * w_T).sum()
         loss = pg_loss
         metrics["pg_loss"] = float(pg_loss.detach())
         metrics["pg_clipfrac"] = _wsum(clipfrac_T, w_T)
         metrics["ppo_kl"] = _wsum(_masked(old_T - logp_T, on_T), w_T)
+        loss = self._entropy_term(loss, entropy, on_T, w_T, metrics)
+        loss = self._kl_term(loss, logp_T, on_T, w_T, batch, metrics)
+        return LossOutput(loss=loss, metrics=metrics)
 
+    def _ratio(
+        self,
+        logp_T: torch.Tensor,
+        old_T: torch.Tensor,
+        on_T: torch.Tensor,
+        m_T: torch.Tensor,
+        batch: TrainBatch,
+    ) -> torch.Tensor:
+        """Importance ratio ``pi / pi_old`` per token (per sequence for GSPO)."""
+        # log-ratio, 0 off the mask so garbage log-probs there cannot overflow exp()
+        log_ratio_T = _masked(logp_T - old_T, on_T)
+        if self.config.variant == "gspo":
+            n = batch.num_sequences
+            seq_T = seq_index(batch.cu_seqlens)
+            count_N = segment_sum(m_T, seq_T, n).clamp_min(1.0)
+            log_ratio_T = (segment_sum(log_ratio_T, seq_T, n) / count_N)[seq_T] * m_T
+        # clamped: exp(>88) is inf in float32, and 0 * inf a NaN loss/gradient (LOG_RATIO_BOUND)
+        return torch.exp(clamp_log_ratio(log_ratio_T))
+
+    def _clipped_pg(
+        self,
+        ratio_T: torch.Tensor,
+        adv_T: torch.Tensor,
+        logp_T: torch.Tensor,
+        on_T: torch.Tensor,
+        w_T: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token clipped policy-gradient loss and clip indicator (PPO/GSPO or CISPO)."""
+        cfg = self.config
+        dtype = logp_T.dtype
+        eps_low = cfg.eps_clip_low
+        eps_high = cfg.eps_clip_low if cfg.eps_clip_high is None else cfg.eps_clip_high
+        lo, hi = 1.0 - eps_low, 1.0 + eps_high
+        if cfg.variant == "cispo":
+            clipped_ratio_T = ratio_T.clamp(lo, hi).detach()
+            pg_T = -clipped_ratio_T * adv_T * _masked(logp_T, on_T)
+            clipfrac_T = ((ratio_T < lo) | (ratio_T > hi)).to(dtype)
+            return pg_T, clipfrac_T
+        loss1_T = -adv_T * ratio_T
+        loss2_T = -adv_T * ratio_T.clamp(lo, hi)
+        pg_T = torch.maximum(loss1_T, loss2_T)
+        clipfrac_T = (loss2_T > loss1_T).to(dtype)
+        if cfg.dual_clip_c is not None:
+            loss3_T = -adv_T * cfg.dual_clip_c
+            dual_T = (adv_T < 0) & (loss3_T < pg_T)
+            pg_T = torch.where(dual_T, loss3_T, pg_T)
+            metrics["pg_clipfrac_lower"] = _wsum(dual_T.to(dtype), w_T)
+        return pg_T, clipfrac_T
+
+    def _corrected(
+        self,
+        pg_T: torch.Tensor,
+        old_T: torch.Tensor,
+        m_T: torch.Tensor,
+        w_T: torch.Tensor,
+        batch: TrainBatch,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """Report the trainer/engine mismatch and apply the off-policy correction, if any."""
+        cfg = self.config
+        dtype = m_T.dtype
+        if batch.rollout_logprobs is not None:
+            roll_T = batch.rollout_logprobs.to(dtype)
+            metrics["mismatch"] = _wsum(logprob_mismatch(old_T, roll_T, m_T), w_T)
+        if cfg.correction == "none":
+            return pg_T
+        if batch.rollout_logprobs is None:
+            raise ConfigError(
+                f"PolicyLoss.Config.correction = {cfg.correction!r} needs "
+                "TrainBatch.rollout_logprobs (the engine's log-probs); have the generator "
+                "return log-probs or set correction = 'none'."
+            )
+        corr = importance_weights(
+            old_T.detach(),
+            batch.rollout_logprobs.to(dtype),
+            m_T,
+            batch.cu_seqlens,
+            mode=cfg.correction,
+            level=cfg.correction_level,
+            clip_low=cfg.correction_clip_low,
+            clip_high=cfg.correction_clip_high,
+        )
+        pg_T = pg_T * corr.weights_T
+        metrics["tis_weight_mean"] = _wsum(corr.weights_T, w_T)
+        metrics["tis_clipfrac"] = _wsum(corr.clipped_T, w_T)
+        return pg_T
+
+    def _entropy_term(
+        self,
+        loss: torch.Tensor,
+        entropy: torch.Tensor | None,
+        on_T: torch.Tensor,
+        w_T: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """Report the entropy and subtract ``entropy_coef`` times it from ``loss``."""
+        cfg = self.config
         if entropy is not None:
-            ent_T = _masked(entropy.to(dtype), on_T)
+            ent_T = _masked(entropy.to(w_T.dtype), on_T)
             metrics["entropy"] = _wsum(ent_T, w_T)
             if cfg.entropy_coef != 0:
                 loss = loss - cfg.entropy_coef * (ent_T * w_T).sum()
@@ -263,10 +314,22 @@ class PolicyLoss:
                 f"PolicyLoss.Config.entropy_coef = {cfg.entropy_coef} needs the entropy tensor; "
                 "have the policy compute it (requires_entropy is True) or set entropy_coef = 0."
             )
+        return loss
 
+    def _kl_term(
+        self,
+        loss: torch.Tensor,
+        logp_T: torch.Tensor,
+        on_T: torch.Tensor,
+        w_T: torch.Tensor,
+        batch: TrainBatch,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """Report the KL to the reference model and add ``kl_coef`` times it to ``loss``."""
+        cfg = self.config
         if batch.ref_logprobs is not None:
             # mask the inputs, not the output: a NaN/inf off the mask must not reach backward
-            ref_T = _masked(batch.ref_logprobs.to(dtype), on_T)
+            ref_T = _masked(batch.ref_logprobs.to(logp_T.dtype), on_T)
             kl_T = kl_estimate(_masked(logp_T, on_T), ref_T, cfg.kl_type)
             metrics["kl"] = _wsum(kl_T, w_T)
             if cfg.kl_coef > 0:
@@ -276,7 +339,7 @@ class PolicyLoss:
                 f"PolicyLoss.Config.kl_coef = {cfg.kl_coef} needs TrainBatch.ref_logprobs; "
                 "configure a reference model or set kl_coef = 0."
             )
-        return LossOutput(loss=loss, metrics=metrics)
+        return loss
 
 
 class SFTLoss:

@@ -17,6 +17,7 @@ which only works in the main thread; in any other thread the reward runs without
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from rl_core.config import NonNegInt, PositiveInt
 from rl_core.errors import ConfigError, RewardError
 from rl_core.rewards._common import labels_of
 from rl_core.types import Prompt, Rollout
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MathEquiv"]
 
@@ -68,6 +71,24 @@ class MathEquiv:
             ) from None
         self._mv = math_verify
         self._gold_cache: dict[str, list[Any]] = {}
+        self.errors: dict[str, int] = {"parse": 0, "verify": 0}
+        """How many ``math_verify`` calls raised, by kind (``parse``: the text counts as
+        unparsable; ``verify``: the answer counts as not shown equal). The first of each kind is
+        logged as a warning with its error, later ones at debug level."""
+
+    def _record_error(self, kind: str, error: Exception, text: str) -> None:
+        self.errors[kind] += 1
+        level = logging.WARNING if self.errors[kind] == 1 else logging.DEBUG
+        log.log(
+            level,
+            "math_equiv: math_verify.%s raised on %r (%s: %s); scored as %s (further ones are "
+            "logged at debug level and counted in MathEquiv.errors)",
+            kind,
+            text[:200],
+            type(error).__name__,
+            error,
+            "unparsable" if kind == "parse" else "not equal",
+        )
 
     def _timeout(self) -> int | None:
         if threading.current_thread() is not threading.main_thread():
@@ -77,7 +98,8 @@ class MathEquiv:
     def _parse(self, text: str) -> list[Any]:
         try:
             return list(self._mv.parse(text, parsing_timeout=self._timeout()))
-        except Exception:  # math_verify reports unparsable input as [] but may raise on odd input
+        except Exception as e:  # math_verify reports unparsable input as [] but may raise on odd input
+            self._record_error("parse", e, text)
             return []
 
     def _gold(self, label: str, prompt: Any) -> list[Any]:
@@ -113,7 +135,8 @@ class MathEquiv:
                     strict=self.config.strict,
                     timeout_seconds=self._timeout(),
                 )
-            except Exception:  # a comparison math_verify cannot do means "not shown equal"
+            except Exception as e:  # a comparison math_verify cannot do means "not shown equal"
+                self._record_error("verify", e, response)
                 ok = False
             if ok:
                 return 1.0

@@ -37,8 +37,8 @@ __all__ = [
 _LAZY = {
     "PolicyConformance": "rl_core.testing.policy",
     "GeneratorConformance": "rl_core.testing.generator",
-    "FakeGenerator": "rl_core.testing.generator",
-    "InMemoryTransport": "rl_core.testing.generator",
+    "FakeGenerator": "rl_core.testing.fake_generator",
+    "InMemoryTransport": "rl_core.testing.fake_generator",
     "BufferConformance": "rl_core.testing.buffer",
     "FakeBuffer": "rl_core.testing.buffer",
     "DataSourceConformance": "rl_core.testing.data_source",

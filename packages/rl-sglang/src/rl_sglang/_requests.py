@@ -1,0 +1,262 @@
+"""Request handling of :class:`~rl_sglang.generator.SGLangGenerator`: payloads, retries, parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from rl_core.errors import GenerationError
+from rl_core.types import FinishReason, GenerationRequest, GenerationResult
+from rl_sglang._state import _FINISH, _GeneratorState, _Live, _Retry, _Server
+
+log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as before the split
+
+
+class _RequestsMixin(_GeneratorState):
+    """``generate``: dispatch to the least-loaded server, retry transient failures, parse responses."""
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Serve ``requests`` (concurrently, bounded per server); results in request order."""
+        if self._closed:
+            raise GenerationError("SGLangGenerator.generate: the generator is closed.")
+        if not requests:
+            return []
+        seeds = []
+        for r in requests:
+            if not r.input_ids:
+                raise GenerationError(
+                    f"SGLangGenerator.generate: request {r.request_id!r} has no input ids."
+                )
+            v = self.vocab_size
+            if v is not None and (min(r.input_ids) < 0 or max(r.input_ids) >= v):
+                raise GenerationError(
+                    f"SGLangGenerator.generate: request {r.request_id!r} has token ids outside "
+                    f"[0, {v}); encode prompts with the served model's tokenizer."
+                )
+            if not self.config.stop_on_eos and (
+                r.sampling.stop_token_ids or self.config.extra_stop_token_ids
+            ):
+                raise GenerationError(
+                    f"SGLangGenerator.generate: request {r.request_id!r} has stop ids, but "
+                    "generator.stop_on_eos=false sends SGLang's ignore_eos, which ignores every "
+                    "stop id; set stop_on_eos=true or drop the stop ids."
+                )
+            seeds.append(
+                r.sampling.seed if r.sampling.seed is not None else self._seed_rng.getrandbits(62)
+            )
+        # An abort-all issued after this call started covers its requests even if they are not
+        # registered on the I/O loop yet (a loaded machine can delay that past the abort).
+        epoch = self._abort_epoch
+        return await self._io.run(self._generate_all(list(requests), seeds, epoch))
+
+    async def _generate_all(
+        self, requests: list[GenerationRequest], seeds: list[int], epoch: int
+    ) -> list[GenerationResult]:
+        lives = []
+        for r in requests:
+            live = _Live(r.request_id)
+            live.aborted = epoch != self._abort_epoch
+            self._live.setdefault(r.request_id, []).append(live)
+            lives.append(live)
+        try:
+            return list(
+                await asyncio.gather(
+                    *(self._one(r, s, lv) for r, s, lv in zip(requests, seeds, lives))
+                )
+            )
+        finally:
+            for lv in lives:
+                group = self._live.get(lv.request_id)
+                if group is not None:
+                    with contextlib.suppress(ValueError):
+                        group.remove(lv)
+                    if not group:
+                        del self._live[lv.request_id]
+
+    def _payload(self, req: GenerationRequest, seed: int, rid: str) -> dict[str, Any]:
+        s = req.sampling
+        stops = sorted(set(s.stop_token_ids) | set(self.default_stop_ids))
+        params: dict[str, Any] = {
+            "temperature": float(s.temperature),
+            "top_p": float(s.top_p),
+            "top_k": int(s.top_k) if s.top_k > 0 else -1,
+            "max_new_tokens": int(s.max_new_tokens),
+            "stop_token_ids": stops,
+            "sampling_seed": int(seed),
+            "no_stop_trim": True,
+            "ignore_eos": not self.config.stop_on_eos,
+            "skip_special_tokens": False,
+        }
+        return {
+            "rid": rid,
+            "input_ids": list(req.input_ids),
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
+
+    def _aborted_result(self, req: GenerationRequest) -> GenerationResult:
+        return GenerationResult(
+            request_id=req.request_id,
+            output_ids=(),
+            output_logprobs=(),
+            finish_reason=FinishReason.ABORT,
+            weight_version=self._version,
+        )
+
+    async def _pick(self) -> _Server:
+        """The up server with the most free slots; waits while none is up."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while True:
+            up = [s for s in self._servers if s.up]
+            if up:
+                return max(up, key=lambda s: (s.sem._value, -s.index))
+            if time.monotonic() > deadline:
+                raise _Retry("no SGLang server in rotation")
+            await asyncio.sleep(0.2)
+
+    async def _one(self, req: GenerationRequest, seed: int, live: _Live) -> GenerationResult:
+        attempt = 0
+        while True:
+            if live.aborted:
+                return self._aborted_result(req)
+            try:
+                return await self._attempt(req, seed, live, attempt)
+            except _Retry as e:
+                attempt += 1
+                if live.aborted:
+                    return self._aborted_result(req)
+                if attempt > self.config.max_retries:
+                    self.stats["failed_requests"] += 1
+                    log.warning(
+                        "SGLangGenerator: request %s failed %d times (%s); returning it as "
+                        "an error (a failed rollout).",
+                        req.request_id,
+                        attempt,
+                        e,
+                    )
+                    return dataclasses.replace(
+                        self._aborted_result(req), finish_reason=FinishReason.ERROR
+                    )
+                self.stats["retries"] += 1
+                await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+
+    async def _attempt(
+        self, req: GenerationRequest, seed: int, live: _Live, attempt: int
+    ) -> GenerationResult:
+        via_router = self.router_url is not None
+        server = None if via_router else await self._pick()
+        sem = self._router_sem if via_router else server.sem  # type: ignore[union-attr]
+        assert sem is not None
+        async with sem:
+            if live.aborted:
+                return self._aborted_result(req)
+            if server is not None and not server.up:
+                raise _Retry(f"{server.url} left rotation")
+            rid = f"{req.request_id}#{attempt}-{random.getrandbits(32):08x}"
+            live.rid, live.server = rid, server
+            url = self.router_url if via_router else server.url  # type: ignore[union-attr]
+            assert url is not None
+            post = asyncio.ensure_future(
+                self._post(
+                    url,
+                    "/generate",
+                    self._payload(req, seed, rid),
+                    timeout=self.config.request_timeout_s,
+                )
+            )
+            waiters: set[asyncio.Future[Any]] = {post}
+            down = None
+            if server is not None:
+                down = asyncio.ensure_future(server.down.wait())
+                waiters.add(down)
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if down is not None:
+                    down.cancel()
+            if not post.done():
+                post.cancel()
+                # Let the cancelled POST wind down. Its own outcome (cancelled, or an error just
+                # before) is superseded by the _Retry below, counted in stats["retries"]; a
+                # cancellation of this task itself still propagates (asyncio.wait re-raises it).
+                await asyncio.wait({post})
+                if not post.cancelled():
+                    post.exception()  # retrieved, so asyncio does not log it as unhandled
+                raise _Retry(f"{server.url if server else url} was taken out of rotation")
+            try:
+                status, data = post.result()
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                if server is not None:
+                    self._suspect(server)
+                raise _Retry(f"{url}: {type(e).__name__}: {e}") from e
+            finally:
+                live.server = None
+        if status != 200:
+            msg = data.get("error", data) if isinstance(data, dict) else data
+            if 400 <= status < 500 and status not in (408, 429):
+                raise GenerationError(
+                    f"SGLangGenerator: request {req.request_id!r} refused by {url} (HTTP "
+                    f"{status}): {msg}"
+                )
+            raise _Retry(f"{url}: HTTP {status}: {str(msg)[:200]}")
+        return self._parse(req, data, server)
+
+    def _parse(self, req: GenerationRequest, data: Any, server: _Server | None) -> GenerationResult:
+        if isinstance(data, list):
+            (data,) = data
+        meta = data["meta_info"]
+        ids = tuple(int(t) for t in data.get("output_ids") or ())
+        lps_raw = meta.get("output_token_logprobs") or []
+        lps = tuple(float(x[0]) for x in lps_raw)
+        if len(lps) != len(ids) or any(int(x[1]) != t for x, t in zip(lps_raw, ids)):
+            raise _Retry(
+                f"{req.request_id}: {len(ids)} output ids but {len(lps)} log-probs in the response"
+            )
+        version = self._response_version(meta, req, server)
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        reason = _FINISH.get(str(kind))
+        if reason is None:
+            raise _Retry(f"{req.request_id}: unknown finish reason {finish!r}")
+        self.stats["requests"] += 1
+        return GenerationResult(
+            request_id=req.request_id,
+            output_ids=ids,
+            output_logprobs=lps,
+            finish_reason=reason,
+            weight_version=version,
+        )
+
+    def _response_version(
+        self, meta: dict[str, Any], req: GenerationRequest, server: _Server | None
+    ) -> int:
+        raw = [meta.get("weight_version")]
+        spans = meta.get("weight_versions") or []
+        raw += [sp.get("version") for sp in spans if isinstance(sp, dict)]
+        try:
+            versions = [int(str(v)) for v in raw if v is not None]
+        except ValueError as e:
+            raise _Retry(f"{req.request_id}: weight version {raw} is not an integer") from e
+        if not versions:
+            raise _Retry(f"{req.request_id}: the response carries no weight version")
+        version = min(versions)
+        if not self._updating and any(v != self._version for v in versions):
+            # A server out of sync (restarted elsewhere, or changed behind our back).
+            self.stats["version_mismatches"] += 1
+            if server is not None:
+                self._mark_down(
+                    server, f"serves weight version {versions}, expected {self._version}"
+                )
+            raise _Retry(
+                f"{req.request_id}: served by weight version {versions}, expected {self._version}"
+            )
+        return version

@@ -1,0 +1,159 @@
+"""Weight updates and memory release of :class:`~rl_sglang.generator.SGLangGenerator`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+import torch
+
+from rl_core.errors import GenerationError, WeightSyncError
+from rl_core.interfaces import WeightTransport
+from rl_core.types import WeightUpdate
+from rl_sglang._state import _GeneratorState, _Server
+
+log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as before the split
+
+
+class _WeightsMixin(_GeneratorState):
+    """Load new weights on every server (disk, tensors or a collective), stamp versions, re-sync."""
+
+    async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
+        """Load ``update`` through ``transport`` on every server; on failure keep the old ones.
+
+        A collective transport (:class:`~rl_sglang.collective.SGLangCollectiveTransport`)
+        broadcasts into the servers; disk transports hand the verified checkpoint directory to
+        ``/update_weights_from_disk``; any other transport's tensors are pushed with
+        ``/update_weights_from_tensor``.
+        """
+        from rl_sglang.collective import SGLangCollectiveTransport
+
+        if self._closed:
+            raise GenerationError("SGLangGenerator.update_weights: the generator is closed.")
+        if isinstance(transport, SGLangCollectiveTransport):
+            await self._io.run(self._distributed_update(update, transport))
+            return
+        await asyncio.to_thread(transport.apply, update, self)
+
+    def load_weights_from_disk(self, path: str, *, version: int) -> None:
+        """Point every server at the Hugging Face checkpoint ``path`` and set ``version``.
+
+        Called by disk transports after they verified the checkpoint (``DiskWeightTarget``).
+        """
+        self._io.call(self._update_all("disk", str(path), int(version)))
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Push Hugging Face-named tensors to every server and set ``version``."""
+        tensors = [(n, t.detach().to("cpu").contiguous().clone()) for n, t in named_tensors]
+        self._io.call(self._update_all("tensors", tensors, int(version)))
+
+    async def _update_all(self, kind: str, payload: Any, version: int) -> None:
+        async with self._weights_lock():
+            self._updating = True
+            try:
+                up = [s for s in self._servers if s.up]
+                one = self._disk_one if kind == "disk" else self._tensors_one
+                results = await asyncio.gather(
+                    *(one(s, payload, version) for s in up), return_exceptions=True
+                )
+                errors = []
+                for s, r in zip(up, results):
+                    if isinstance(r, aiohttp.ClientError | asyncio.TimeoutError | OSError):
+                        self._mark_down(s, f"weight update failed: {r!r}")  # resyncs later
+                    elif isinstance(r, BaseException):
+                        errors.append((s, r))
+                if errors:
+                    if len(errors) < len(up):
+                        for s, _ in errors:
+                            self._mark_down(s, "weight update failed")
+                    raise WeightSyncError(
+                        f"SGLangGenerator: weight version {version} ({kind}) failed on "
+                        f"{[s.url for s, _ in errors]}: {errors[0][1]}; the generator stays on "
+                        f"version {self._version}."
+                    ) from errors[0][1]
+                self._version = version
+                self._source = (kind, payload)
+            finally:
+                self._updating = False
+
+    async def _disk_one(self, s: _Server, path: str, version: int) -> None:
+        await self._control(
+            s,
+            "/update_weights_from_disk",
+            {
+                "model_path": path,
+                "weight_version": str(version),
+                "flush_cache": True,
+                "abort_all_requests": False,
+                "keep_pause": self._paused is not None,
+            },
+        )
+
+    async def _tensors_one(
+        self, s: _Server, tensors: list[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        # Plain pickle, base64: SGLang's SafeUnpickler rebuilds the inlined storages. (The
+        # default ForkingPickler payload shares CPU storages by fd and crashes a CPU server.)
+        blob = await asyncio.to_thread(
+            lambda: base64.b64encode(pickle.dumps(tensors, protocol=4)).decode()
+        )
+        await self._control(s, "/begin_weight_update", {})
+        try:
+            await self._control(
+                s,
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": [blob] * s.tp_size,
+                    "weight_version": str(version),
+                    "flush_cache": True,
+                },
+            )
+        finally:
+            await self._control(s, "/end_weight_update", {})
+
+    async def _distributed_update(self, update: WeightUpdate, transport: Any) -> None:
+        async with self._weights_lock():
+            if update.version <= self._version:
+                raise WeightSyncError(
+                    f"SGLangGenerator: weight version {update.version} refused: already on "
+                    f"{self._version} (replayed or out-of-order update)."
+                )
+            up = [s for s in self._servers if s.up]
+            if not up:
+                raise WeightSyncError("SGLangGenerator: no server in rotation to update.")
+            self._updating = True
+            try:
+                await transport.push(update, up, self)
+                self._version = update.version
+                self._source = ("tensors", transport.staged(update.version))
+            finally:
+                self._updating = False
+
+    # ------------------------------------------------------------------ memory (GPU only)
+
+    async def release_memory(self) -> None:
+        """Free weights and KV cache on every server (GPU only; refused on CPU)."""
+        await self._memory("/release_memory_occupation")
+
+    async def resume_memory(self) -> None:
+        """Undo :meth:`release_memory` (GPU only; refused on CPU)."""
+        await self._memory("/resume_memory_occupation")
+
+    async def _memory(self, path: str) -> None:
+        if self.config.device == "cpu":
+            raise GenerationError(
+                f"SGLangGenerator{path}: not available on CPU (it crashes the server); "
+                "supports_memory_release is False there."
+            )
+
+        async def go() -> None:
+            await asyncio.gather(*(self._control(s, path, {}) for s in self._servers if s.up))
+
+        await self._io.run(go())
