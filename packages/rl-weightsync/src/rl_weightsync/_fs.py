@@ -184,7 +184,8 @@ def remove_version_dir(path: Path) -> None:
 
 
 def prune(directory: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete versions; remove older ones and stale temp dirs."""
+    """Keep the newest ``keep`` complete versions and remove older ones. Staging directories
+    (``.tmp-*``) are left alone: one may belong to a writer still running in another process."""
     done = complete_versions(directory)
     for v in done[:-keep] if keep > 0 else done:
         remove_version_dir(directory / version_dirname(v))
