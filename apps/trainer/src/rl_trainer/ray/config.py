@@ -35,7 +35,13 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
     ``config`` is the :class:`~rl_trainer.config.TrainerConfig`; ``transport_spec`` the weight
     transport's spec with its run defaults.
     """
-    rc = config.runtime
+    _check_layout(config.runtime, transport_spec)
+    _check_transport(transport_spec)
+    _check_model_ranks(config)
+
+
+def _check_layout(rc: Any, transport_spec: ComponentSpec) -> None:
+    """Actor counts, resources, layout and timeouts of ``runtime`` (``rc``)."""
     for role, least in (("policy", 1), ("generator", 0)):
         res = getattr(rc, role)
         if res.count < least or res.cpus < 0 or res.gpus < 0:
@@ -68,6 +74,10 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
         raise ConfigError(
             "runtime.generate_timeout_s must be > 0 and runtime.max_generator_restarts >= 0."
         )
+
+
+def _check_transport(transport_spec: ComponentSpec) -> None:
+    """Refuse weight transports that cannot cross the runtime's processes."""
     cls = registry.resolve(
         registry.GROUPS["weight_transport"], transport_spec.type, field="weight_transport.type"
     )
@@ -84,6 +94,11 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
             "collective world would have to be re-formed when a generator restarts). Use "
             "weight_transport: {type: disk_full} or {type: disk_delta}."
         )
+
+
+def _check_model_ranks(config: Any) -> None:
+    """The policy (and critic) must be able to use the policy ranks, in their layout."""
+    rc = config.runtime
     pol = registry.resolve(registry.GROUPS["policy"], config.policy.type, field="policy.type")
     if rc.policy.count > 1 and pol.__module__.startswith("rl_core.reference"):
         raise ConfigError(
