@@ -6,6 +6,7 @@ the driver-side proxies :class:`RayPolicy` and :class:`RayCritic` that satisfy t
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
@@ -198,6 +199,7 @@ class PolicyRank:
         self._model_thread.shutdown(wait=False)
 
 
+@dataclasses.dataclass(slots=True)
 class RemoteWeights:
     """Weights held by the policy ranks: the live ones, or a copy kept for ``version``.
 
