@@ -23,11 +23,17 @@ from rl_core.errors import ConfigError
 from rl_trainer.config import TrainerConfig
 
 __all__ = [
+    "BACKENDS",
+    "backend_spec",
     "build_task",
+    "component_name",
     "config_fields",
     "data_specs",
     "init_model_path",
     "load_tokenizer",
+    "transport_spec",
+    "validate_backends",
+    "validate_spec",
     "with_defaults",
 ]
 
@@ -122,3 +128,50 @@ def data_specs(
     if train_spec is None:
         raise ConfigError("data.train: set a prompt source (or a built-in task).")
     return with_defaults("data_source", train_spec, seed=cfg.seed), eval_spec
+
+
+def component_name(field: str, spec: ComponentSpec | None) -> str:
+    """How failure reports name a component: its config field and type."""
+    return f"{field} (type {spec.type!r})" if spec is not None else field
+
+
+def transport_spec(cfg: TrainerConfig, start_path: str) -> ComponentSpec:
+    """The weight transport's spec with run-local defaults: sync directories under the run, the
+    RL start checkpoint as the delta base and as the source of config/tokenizer files, and the
+    sender's place (rank 0 of 2) for a collective transport."""
+    return with_defaults(
+        "weight_transport",
+        cfg.weight_transport,
+        directory=str(cfg.run_path / "weights"),
+        local_dir=str(cfg.run_path / "weights_local"),
+        base_checkpoint=start_path,
+        assets_dir=start_path,
+        rank=0,
+        world_size=2,
+    )
+
+
+BACKENDS = ("policy", "generator", "weight_transport")
+"""The components whose options are validated at start-up (:func:`validate_backends`)."""
+
+
+def backend_spec(cfg: TrainerConfig, kind: str, model_path: str) -> ComponentSpec:
+    """The spec of the backend ``kind`` (one of :data:`BACKENDS`) with the run-wide defaults it
+    is validated with (``model_path``: the initial model)."""
+    spec = transport_spec(cfg, model_path) if kind == "weight_transport" else getattr(cfg, kind)
+    return with_defaults(kind, spec, model_path=model_path)
+
+
+def validate_backends(cfg: TrainerConfig, model_path: str) -> None:
+    """Resolve the policy, generator and weight transport and validate their options now, before
+    any work: a typo fails at start-up with a :class:`~rl_core.errors.ConfigError`."""
+    for kind in BACKENDS:
+        validate_spec(kind, backend_spec(cfg, kind, model_path))
+
+
+def validate_spec(kind: str, spec: ComponentSpec) -> None:
+    """Resolve ``spec`` in the registry group ``kind`` and validate its options against the
+    component's ``Config`` (when it has one)."""
+    cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
+    if hasattr(cls, "Config"):
+        from_dict(cls.Config, spec.options, path=kind)

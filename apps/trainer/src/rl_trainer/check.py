@@ -45,7 +45,14 @@ from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import RLError
 from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_core.types import Group, Prompt, Rollout, RolloutStatus
-from rl_trainer.build import build_task, data_specs, load_tokenizer, with_defaults
+from rl_trainer.build import (
+    BACKENDS,
+    backend_spec,
+    build_task,
+    data_specs,
+    load_tokenizer,
+    validate_spec,
+)
 from rl_trainer.config import TrainerConfig, load_trainer_config
 from rl_trainer.rollout import RolloutStats, Scorer
 
@@ -232,25 +239,11 @@ def _label_text(label: Any) -> str | None:
 
 def _check_components(report: CheckReport, cfg: TrainerConfig, model_path: str) -> None:
     """Resolve every named component and validate its options, as the trainer's build does."""
-    for kind, spec in (
-        ("policy", cfg.policy),
-        ("generator", cfg.generator),
-        ("weight_transport", cfg.weight_transport),
-    ):
+    for kind in BACKENDS:
+        # Each with the run-wide defaults the trainer gives it (build.backend_spec).
 
-        def validate(kind: str = kind, spec: ComponentSpec = spec) -> None:
-            cls = registry.resolve(registry.GROUPS[kind], spec.type, field=f"{kind}.type")
-            if hasattr(cls, "Config"):
-                defaults = {
-                    "model_path": model_path,
-                    "base_checkpoint": model_path,
-                    "assets_dir": model_path,
-                    "directory": str(cfg.run_path / "weights"),
-                    "local_dir": str(cfg.run_path / "weights_local"),
-                    "rank": 0,
-                    "world_size": 2,
-                }
-                from_dict(cls.Config, with_defaults(kind, spec, **defaults).options, path=kind)
+        def validate(kind: str = kind) -> None:
+            validate_spec(kind, backend_spec(cfg, kind, model_path))
 
         _attempt(report, kind, validate)
     _attempt(report, "buffer", lambda: registry.build("buffer", cfg.buffer, field="buffer"))

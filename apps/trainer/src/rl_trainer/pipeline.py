@@ -51,7 +51,7 @@ __all__ = ["RolloutPipeline"]
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 """Weights of one version for a later round: a CPU copy (``local`` runtime) or a handle to the
-copy the policy ranks keep (``ray`` runtime, :class:`rl_trainer.runtime.RemoteWeights`)."""
+copy the policy ranks keep (``ray`` runtime, :class:`rl_trainer.ray.RemoteWeights`)."""
 
 
 class RolloutPipeline:

@@ -1,0 +1,18 @@
+"""The phases of a run, in order, driven by :class:`rl_trainer.loop.Trainer`.
+
+Each phase is a module with ``async def run(trainer) -> bool`` that builds the models it needs,
+runs its steps (emitting metrics, checkpointing on schedule, stopping on a signal) and returns
+``True`` when a signal stopped the run. A new mode (rollout-only, replay, eval-only) is a new
+module here and an entry in :data:`PHASES`, not a branch in the driver.
+
+- :mod:`~rl_trainer.phases.sft`: the SFT warm-up on the training labels.
+- :mod:`~rl_trainer.phases.rl`: the RL phase (its steps are :mod:`rl_trainer.stages`).
+- :mod:`~rl_trainer.phases.eval`: evaluation, called by the RL phase on schedule.
+"""
+
+from rl_trainer.phases import rl, sft
+
+PHASES = (sft.run, rl.run)
+"""The phases a training run goes through, in order."""
+
+__all__ = ["PHASES"]

@@ -1,0 +1,188 @@
+"""The RL phase: build the policy, generator, reference, critic and weight transport from the
+RL start checkpoint (all at version 0), evaluate at step 0, then run the RL steps
+(:mod:`rl_trainer.stages`), evaluating and checkpointing on schedule.
+
+Synchronous (default): the round of step k runs right before step k trains. With
+``rl.async_generation`` the rounds run ahead in a producer task (:mod:`rl_trainer.pipeline`)
+while the policy trains in its own thread; the generator serves exactly the version
+``max_staleness`` behind, so ``max_staleness = 0`` is the synchronous run. Both modes share the
+round, the take and the train stage; only who runs the round and when the generator receives
+weights differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rl_core.errors import ConfigError, RLError
+from rl_trainer import stages
+from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
+from rl_trainer.phases import eval as evaluation
+from rl_trainer.pipeline import RolloutPipeline, Weights
+from rl_trainer.state import load_resumed_models
+
+if TYPE_CHECKING:
+    from rl_trainer.loop import Trainer
+
+__all__ = ["rl_step", "run", "start"]
+
+
+async def run(trainer: Trainer) -> bool:
+    """Run the RL phase to its last step, then write the final model and a checkpoint;
+    ``True`` when a signal stopped the run."""
+    cfg = trainer.config
+    if await start(trainer):
+        return True
+    if cfg.rl.async_generation:
+        _start_pipeline(trainer)
+    elif trainer.ready_rounds:
+        raise ConfigError(
+            "rl.async_generation: the checkpoint holds rollout rounds produced ahead by "
+            "an async run; resume it with rl.async_generation=true."
+        )
+    while trainer.state["rl_step"] < cfg.rl.steps:
+        rec = await rl_step(trainer)
+        step = trainer.state["rl_step"]
+        eval_due = evaluation.due(trainer, step)
+        if trainer.pipeline is not None and (eval_due or trainer.checkpoint_due()):
+            # Quiesce: the rounds before this version are done, the generator is idle.
+            await trainer.pipeline.drain(trainer.policy.version)
+            if eval_due:
+                rec["perf/sync_time"] = await stages.sync_weights(trainer)
+        if eval_due:
+            rec.update(await evaluation.evaluate(trainer, step))
+        trainer.emit(rec)
+        saved = trainer.checkpoint_due()
+        if saved:
+            trainer.save()
+        if trainer.stop_requested and step < cfg.rl.steps:
+            await trainer.stop(saved=saved)
+            return True
+        if trainer.pipeline is not None:
+            await trainer.pipeline.release(trainer.policy.version, _weights_copy(trainer))
+    # The final model first: if writing it fails, the weights are already on disk
+    # (HFPolicy.save writes a plain safetensors file before converting).
+    trainer.policy.save(trainer.run_dir / "final_model", with_optimizer=False)
+    trainer.save()
+    return False
+
+
+async def start(trainer: Trainer) -> bool:
+    """Build the RL phase's models from the start checkpoint (policy, generator and reference
+    share version 0), load a resumed checkpoint, bring the generator to the policy's weights
+    and evaluate at step 0 (once per run); ``True`` when a signal stopped the run."""
+    cfg, runtime = trainer.config, trainer.runtime
+    start_path = trainer.rl_start_path()
+    temperature = cfg.rollout.sampling.temperature or 1.0
+    trainer.policy = build_policy(cfg, runtime, start_path, temperature=temperature)
+    trainer.generator = await build_generator(cfg, runtime, start_path)
+    if cfg.algorithm.use_reference:
+        trainer.reference = build_policy(
+            cfg, runtime, start_path, role="reference", temperature=temperature
+        )
+    if cfg.critic is not None:
+        trainer.critic = build_critic(cfg, runtime, start_path)
+    trainer.transport, trainer.receiver = build_transports(cfg, runtime, start_path)
+    load_resumed_models(trainer)
+    trainer.first_version = trainer.policy.version - trainer.state["rl_step"]
+    if trainer.generator.weight_version != trainer.policy.version:
+        await stages.sync_weights(trainer)
+    saved = False
+    if not trainer.state["eval_at_0"]:
+        rec = {"step": 0, "phase": "rl", **await evaluation.evaluate(trainer, 0)}
+        trainer.state["eval_at_0"] = True
+        trainer.emit(rec)
+        saved = cfg.sft.steps > 0 and trainer.checkpoint_due()  # the warm-up's last step was due
+        if saved:
+            trainer.save()
+    if trainer.stop_requested and trainer.state["rl_step"] < cfg.rl.steps:
+        await trainer.stop(saved=saved)
+        return True
+    return False
+
+
+async def rl_step(trainer: Trainer) -> dict[str, Any]:
+    """One RL step through the stages; the rollouts come from this step's round (produced now,
+    or ahead of time by the pipeline)."""
+    cfg = trainer.config
+    t_step = time.perf_counter()
+    step = trainer.state["rl_step"] + 1
+    if trainer.policy.version != trainer.train_version(step):
+        raise RLError(
+            f"rl step {step}: policy version {trainer.policy.version}, expected "
+            f"{trainer.train_version(step)} (one optimizer step per RL step)."
+        )
+    t0 = time.perf_counter()
+    if trainer.pipeline is None:
+        round_metrics = await stages.produce_round(trainer, step)
+    else:
+        round_metrics = await trainer.pipeline.next_round(step)
+    wait = time.perf_counter() - t0
+    groups, staleness = stages.take_groups(
+        trainer.parts.buffer,
+        n=cfg.rollout.prompts_per_step,
+        version=trainer.policy.version,
+        max_staleness=cfg.rl.max_staleness,
+    )
+    record: dict[str, Any] = {"step": step, "phase": "rl", **round_metrics, **staleness}
+    if trainer.pipeline is None:
+        record.update(stages.train(trainer, groups))
+        record["perf/sync_time"] = await stages.sync_weights(trainer)
+    else:
+        loop = asyncio.get_running_loop()
+        record.update(
+            await loop.run_in_executor(trainer.train_thread, stages.train, trainer, groups)
+        )
+        record["perf/rollout_wait"] = wait
+    trainer.state["rl_step"] = step
+    record["perf/step_time"] = time.perf_counter() - t_step
+    return record
+
+
+def _start_pipeline(trainer: Trainer) -> None:
+    """Start generating rounds ahead of training (``rl.async_generation``); the policy
+    trains in its own thread so the event loop keeps driving generation."""
+    cfg = trainer.config
+    trainer.train_thread = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="rl-train",
+        initializer=torch.set_num_threads,
+        initargs=(cfg.threads,),
+    )
+
+    async def produce(step: int) -> dict[str, Any]:
+        return await stages.produce_round(trainer, step)
+
+    async def serve(version: int, weights: Weights | None) -> None:
+        await stages.serve(trainer, version, weights)
+
+    trainer.pipeline = RolloutPipeline(
+        produce=produce,
+        serve=serve,
+        max_staleness=cfg.rl.max_staleness,
+        first_version=trainer.first_version,
+        last_step=cfg.rl.steps,
+        next_step=trainer.state["rl_step"] + 1,
+        released=trainer.policy.version,
+        ready=trainer.ready_rounds,
+    )
+    trainer.ready_rounds = {}
+    trainer.pipeline.start()
+
+
+def _weights_copy(trainer: Trainer) -> Weights | None:
+    """A CPU copy of the policy's weights for a later round, or ``None`` when none is needed
+    (staleness 0: the next round starts while the trainer waits for it; or the generator
+    already serves this version)."""
+    if trainer.config.rl.max_staleness == 0:
+        return None
+    if trainer.generator.weight_version >= trainer.policy.version:
+        return None
+    if trainer.runtime is not None:  # ray: the policy ranks keep the copy
+        return trainer.policy.keep_copy()
+    return [(n, t.detach().to("cpu", copy=True)) for n, t in trainer.policy.named_weights()]

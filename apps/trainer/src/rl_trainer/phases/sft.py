@@ -1,0 +1,99 @@
+"""The SFT warm-up: train the policy on the training labels, with its own learning rate and
+optimizer, then save its weights for the RL phase to start from."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rl_core.algorithms import SFTLoss
+from rl_core.errors import RLError
+from rl_core.types import Prompt, Rollout
+from rl_trainer.assembly import build_policy
+from rl_trainer.stages import plan_and_pack
+from rl_trainer.state import load_resumed_models
+
+if TYPE_CHECKING:
+    from rl_trainer.loop import Trainer
+
+__all__ = ["run", "sft_rollouts", "sft_step"]
+
+
+async def run(trainer: Trainer) -> bool:
+    """Run the warm-up's remaining steps; ``True`` when a signal stopped the run."""
+    cfg = trainer.config
+    if trainer.state["sft_step"] >= cfg.sft.steps:
+        return False
+    overrides = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
+    trainer.policy = build_policy(
+        cfg, trainer.runtime, trainer.parts.init_model_path, temperature=1.0, **overrides
+    )
+    load_resumed_models(trainer)
+    while trainer.state["sft_step"] < cfg.sft.steps:
+        trainer.emit(sft_step(trainer))
+        # A checkpoint after the warm-up's last step is taken at the start of RL (the RL
+        # phase): resuming there needs the RL phase's policy and optimizer.
+        if trainer.state["sft_step"] == cfg.sft.steps:
+            break
+        saved = trainer.checkpoint_due()
+        if saved:
+            trainer.save()
+        if trainer.stop_requested:
+            await trainer.stop(saved=saved)
+            return True
+    tmp = trainer.run_dir / ".tmp-sft_model"
+    trainer.policy.save(tmp, with_optimizer=False)
+    if trainer.sft_model_path.exists():
+        shutil.rmtree(trainer.sft_model_path)
+    tmp.rename(trainer.sft_model_path)
+    trainer.policy = None
+    return False
+
+
+def sft_rollouts(prompts: Sequence[Prompt], tokenizer: Any, version: int) -> list[Rollout]:
+    """Each labelled prompt as a rollout whose response is its label (and EOS), all trained."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for p in prompts:
+        if p.label is None:
+            raise RLError(f"sft: prompt {p.uid} has no label; SFT warm-up needs labelled data.")
+        resp = list(tokenizer.encode(str(p.label), add_special_tokens=False)) + (
+            [eos] if eos is not None else []
+        )
+        n = len(resp)
+        out.append(
+            Rollout(
+                prompt_uid=p.uid,
+                rollout_id=p.uid,
+                sample_id=p.uid,
+                tokens=tuple(p.token_ids) + tuple(resp),
+                response_start=len(p.token_ids),
+                loss_mask=(1,) * n,
+                rollout_logprobs=(0.0,) * n,
+                versions=(version,) * n,
+            )
+        )
+    return out
+
+
+def sft_step(trainer: Trainer) -> dict[str, Any]:
+    """One warm-up step on ``sft.batch_size`` labelled prompts; returns its metrics."""
+    cfg = trainer.config
+    t0 = time.perf_counter()
+    prompts = trainer.parts.train_data.next_prompts(cfg.sft.batch_size)
+    rollouts = sft_rollouts(prompts, trainer.tokenizer, trainer.policy.version)
+    batch, _ = plan_and_pack(rollouts, trainer.policy, cfg.rl.max_tokens_per_micro_batch)
+    m = trainer.policy.train_step(batch, SFTLoss())
+    dt = time.perf_counter() - t0
+    trainer.state["sft_step"] += 1
+    return {
+        "step": trainer.state["sft_step"],
+        "phase": "sft",
+        "train/loss": m["loss"],
+        "train/grad_norm": m["grad_norm"],
+        "train/entropy": m.get("entropy"),
+        "perf/step_time": dt,
+        "perf/train_tokens_per_s": batch.num_tokens / dt,
+    }

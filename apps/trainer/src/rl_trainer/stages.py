@@ -1,0 +1,404 @@
+"""The RL step as explicit stages (DESIGN §6). One RL step runs, in order::
+
+    produce_round   generate + score + filter until P groups, buffer.put   (a round; async mode
+                    runs it ahead in the pipeline)
+    take_groups     buffer.take(P, min_version=version - max_staleness)    + staleness metrics
+    plan_and_pack   FLOPs-balanced order, micro-batch and data-parallel bounds, packed batch
+    rl_batch        + critic values -> rewards and advantages (GAE returns), loss weights,
+                    reference / old log-probs
+    train           policy.train_step (+ critic.train_step)                + train metrics
+    publish         transport.publish -> generator.update_weights          (checked version)
+
+The pure stages take their inputs as arguments; the ones that drive the run's components
+(``produce_round``, ``generate``, the publication) take the run (:class:`~rl_trainer.loop.Trainer`)
+that holds them. A new stage (a teacher's log-probs, PPO epochs) is a function here called by
+the RL phase (:mod:`rl_trainer.phases.rl`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rl_buffer.balance import schedule_step
+from rl_core.algorithms import compute_loss_weights
+from rl_core.batching import gather_response, pack_rollouts, scatter_response
+from rl_core.errors import RLError
+from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
+from rl_trainer.build import component_name
+from rl_trainer.failures import exhausted_error
+from rl_trainer.pipeline import Weights
+from rl_trainer.rollout import (
+    PartialStats,
+    RolloutStats,
+    filter_groups,
+    generate_groups,
+    generate_groups_resumable,
+)
+
+if TYPE_CHECKING:
+    from rl_trainer.loop import Trainer
+
+__all__ = [
+    "advantages",
+    "generate",
+    "plan",
+    "plan_and_pack",
+    "produce_round",
+    "publish",
+    "rl_batch",
+    "round_metrics",
+    "serve",
+    "sync_weights",
+    "take_groups",
+    "train",
+]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+# ----------------------------------------------------------------------------- produce
+async def generate(
+    run: Trainer,
+    prompts: Sequence[Prompt],
+    sampling: SamplingParams,
+    n_samples: int,
+    seed_parts: tuple[Any, ...],
+    stats: RolloutStats,
+) -> list[Group]:
+    """Sample ``n_samples`` rollouts per prompt on the run's current generator;
+    ``generate_fn`` failures are counted in ``stats``."""
+    return await generate_groups(
+        prompts,
+        generator=run.generator,
+        tokenizer=run.tokenizer,
+        sampling=sampling,
+        n_samples=n_samples,
+        seed_parts=seed_parts,
+        policy_version=run.policy.version,
+        generate_fn=run.parts.generate_fn,
+        stats=stats,
+        generate_fn_name=component_name("rollout.generate_fn", run.config.rollout.generate_fn),
+    )
+
+
+async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
+    """One rollout round: generate and score until the dynamic sampler holds
+    ``prompts_per_step`` kept groups fresh enough for step ``step`` (surplus kept groups carry
+    over to the next round), put them into the buffer, and return the round's metrics.
+
+    User code that fails (reward, group reward, ``generate_fn``, filters) is counted in
+    ``rollout/failed/<reason>`` and logged once per reason with its first cause; when every
+    rollout of a round failed, the run stops at once with that report."""
+    cfg, parts = run.config.rollout, run.parts
+    sampler = parts.sampler
+    stats = RolloutStats()
+    scored: list[Rollout] = []
+    stale = sampler.drop_older_than(run.train_version(step) - run.config.rl.max_staleness)
+    gen_tokens, gen_time = 0, 0.0
+    round_ = 0
+    partial = PartialStats() if run.config.rl.partial_rollouts else None
+    while not sampler.full:
+        prompts = parts.train_data.next_prompts(sampler.request_size())
+        t0 = time.perf_counter()
+        seed_parts = (run.config.seed, "rl", step, round_)
+        round_stats = RolloutStats()
+        if partial is not None and run.pipeline is not None:
+            groups = await generate_groups_resumable(
+                prompts,
+                generator=run.generator,
+                buffer=parts.buffer,
+                sampling=cfg.sampling.to_params(),
+                n_samples=cfg.n_samples,
+                seed_parts=seed_parts,
+                updates=run.pipeline,
+                stats=partial,
+            )
+            round_stats.rollouts += sum(len(g.rollouts) for g in groups)
+        else:
+            groups = await generate(
+                run, prompts, cfg.sampling.to_params(), cfg.n_samples, seed_parts, round_stats
+            )
+        gen_time += time.perf_counter() - t0
+        gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
+        await parts.scorer.score(groups, round_stats)
+        scored.extend(r for g in groups for r in g.rollouts)
+        # Failed rollouts leave their group (groups may be uneven); the filters see the rest.
+        for f in parts.filters:
+            f.stats = round_stats
+        sampler.add(filter_groups(groups, (), round_stats))
+        round_ += 1
+        where = f"step {step}, round {round_}"
+        round_stats.check(where)
+        run.failure_log.log(where, round_stats.rollouts, round_stats.failed, round_stats.first)
+        stats.merge(round_stats)
+        if round_ >= cfg.max_rounds and not sampler.full:
+            raise exhausted_error(
+                rounds=round_,
+                kept=sampler.num_kept,
+                wanted=cfg.prompts_per_step,
+                n_samples=cfg.n_samples,
+                step_counts=sampler.step_counts,
+                rollouts=stats.rollouts,
+                failed=stats.failed,
+                first=stats.first,
+                unusable=stats.dropped.get("no_valid_rollout", 0),
+            )
+    parts.buffer.put(sampler.pop_batch())
+    record = round_metrics(scored, stats, stale, gen_tokens, gen_time)
+    record.update(sampler.last_step_metrics)
+    record = _ordered(record, stats, stale, gen_tokens, gen_time)
+    if partial is not None:
+        record["rollout/partial_interruptions"] = partial.interruptions
+        record["rollout/partial_resumed"] = partial.resumed
+        record["rollout/partial_resumed_tokens"] = partial.resumed_tokens
+    return record
+
+
+def round_metrics(
+    all_scored: Sequence[Rollout],
+    stats: RolloutStats,
+    stale: int,
+    gen_tokens: int,
+    gen_time: float,
+) -> dict[str, Any]:
+    """A round's reward and response metrics (``rollout/*``) over every scored rollout."""
+    scored = [r for r in all_scored if r.reward is not None]
+    record: dict[str, Any] = {}
+    rewards = [float(r.reward) for r in scored]
+    record["rollout/reward_mean"] = _mean(rewards)
+    record["rollout/reward_std"] = float(np.std(rewards)) if rewards else float("nan")
+    for key in sorted({k for r in scored for k in r.reward_info} - {"reward"}):
+        record[f"rollout/{key}_mean"] = _mean(
+            [r.reward_info[key] for r in scored if key in r.reward_info]
+        )
+    record["rollout/response_len_mean"] = _mean([r.response_length for r in all_scored])
+    record["rollout/truncated_frac"] = _mean([float(r.status == "truncated") for r in all_scored])
+    return record
+
+
+def _ordered(
+    record: dict[str, Any], stats: RolloutStats, stale: int, gen_tokens: int, gen_time: float
+) -> dict[str, Any]:
+    """The round's drop, failure and generation metrics after the reward and sampler ones."""
+    for reason, n in stats.dropped.items():
+        record[f"rollout/dropped/{reason}"] = n
+    for reason, n in stats.failed.items():
+        record[f"rollout/failed/{reason}"] = n
+    record["rollout/stale_dropped"] = stale
+    record["perf/rollout_tokens_per_s"] = gen_tokens / gen_time if gen_time > 0 else float("nan")
+    record["perf/gen_time"] = gen_time
+    return record
+
+
+# ----------------------------------------------------------------------------- take
+def take_groups(
+    buffer: Any, *, n: int, version: int, max_staleness: int
+) -> tuple[list[Group], dict[str, float]]:
+    """This step's ``n`` groups from the buffer (never older than ``max_staleness`` versions
+    behind ``version``) and their staleness metrics."""
+    held = len(buffer)
+    groups = buffer.take(n, min_version=version - max_staleness)
+    if groups is None:
+        raise RLError(
+            f"buffer: {held} groups held but fewer than {n} within rl.max_staleness="
+            f"{max_staleness} of policy version {version}; rounds must put "
+            "fresh groups (is another writer using the buffer?)."
+        )
+    ages = [version - v for g in groups for r in g.rollouts for v in r.versions]
+    lag = [version - r.min_version for g in groups for r in g.rollouts if r.versions]
+    spans = [len(set(r.versions)) > 1 for g in groups for r in g.rollouts]
+    return groups, {
+        "rollout/groups_kept": len(groups),
+        "rollout/off_policy_frac": _mean([float(a > 0) for a in lag]),
+        "rollout/multi_version_frac": _mean([float(x) for x in spans]),
+        "rollout/staleness_mean": _mean(ages),
+        "rollout/staleness_max": max(ages, default=0),
+    }
+
+
+# ----------------------------------------------------------------------------- plan and pack
+def plan(
+    rollouts: Sequence[Rollout], policy: Any, max_tokens_per_micro_batch: int
+) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+    """FLOPs-balanced plan (rl-buffer's scheduler) under the token cap: the order to pack the
+    rollouts in, the micro-batch bounds and, with data-parallel policy ranks, the shard
+    bounds (``()`` for one rank). Shards are packed one after the other in rank order."""
+    dp = int(getattr(policy, "data_parallel_size", 1))
+    schedule = schedule_step(
+        rollouts,
+        dp_size=dp,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        shape=policy.model_shape,
+    )
+    if dp == 1:
+        return schedule.rank_samples(0), schedule.micro_batch_bounds(0), ()
+    order: list[int] = []
+    bounds: list[int] = [0]
+    dp_bounds: list[int] = [0]
+    for rank in range(dp):
+        offset = len(order)
+        order.extend(schedule.rank_samples(rank))
+        bounds.extend(offset + b for b in schedule.micro_batch_bounds(rank)[1:])
+        dp_bounds.append(len(order))
+    return order, tuple(sorted(set(bounds))), tuple(dp_bounds)
+
+
+def plan_and_pack(
+    rollouts: Sequence[Rollout],
+    policy: Any,
+    max_tokens_per_micro_batch: int,
+    *,
+    mask_versions_below: int | None = None,
+) -> tuple[TrainBatch, list[int]]:
+    """Plan (:func:`plan`) and pack ``rollouts``: the batch, with its micro-batch and
+    data-parallel shard bounds, and the order its sequences are in."""
+    order, bounds, dp_bounds = plan(rollouts, policy, max_tokens_per_micro_batch)
+    batch = pack_rollouts(
+        [rollouts[i] for i in order],
+        micro_batch_bounds=bounds,
+        mask_versions_below=mask_versions_below,
+    )
+    batch.dp_bounds = dp_bounds
+    return batch, order
+
+
+# ----------------------------------------------------------------------------- advantages
+def advantages(
+    advantage_fn: Any,
+    rollouts: Sequence[Rollout],
+    group_index: Sequence[int],
+    values: list[torch.Tensor] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-rollout advantages ``[R_i]`` from the rewards and, with a critic's ``values``, GAE
+    returns ``[R_i]``."""
+    inputs = AdvantageInputs(
+        rewards=torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32),
+        group_index=torch.tensor(list(group_index), dtype=torch.int64),
+        response_mask=[torch.tensor(r.loss_mask, dtype=torch.float32) for r in rollouts],
+        values=values,
+    )
+    if values is not None:
+        adv, returns = advantage_fn.advantages_and_returns(inputs)
+        return list(adv), list(returns)
+    return list(advantage_fn(inputs)), None
+
+
+def rl_batch(run: Trainer, groups: Sequence[Group]) -> TrainBatch:
+    """The packed training batch of ``groups``: planned and packed, then critic values,
+    advantages (and returns), loss weights, reference and old log-probs."""
+    cfg = run.config
+    alg = cfg.algorithm
+    policy = run.policy
+    rollouts = [r for g in groups for r in g.rollouts]
+    group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
+    keep = cfg.rl.mask_older_than
+    batch, order = plan_and_pack(
+        rollouts,
+        policy,
+        cfg.rl.max_tokens_per_micro_batch,
+        mask_versions_below=policy.version - keep if keep is not None else None,
+    )
+    rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
+    values = None
+    if run.critic is not None:
+        batch.old_values = run.critic.compute_values(batch)
+        values = gather_response(rollouts, batch.old_values)
+    adv, returns = advantages(run.parts.advantage_fn, rollouts, group_index, values)
+    batch.advantages = scatter_response(rollouts, adv) * batch.loss_mask
+    if returns is not None:
+        batch.returns = scatter_response(rollouts, returns) * batch.loss_mask
+    batch.loss_weights = compute_loss_weights(
+        batch.loss_mask,
+        batch.cu_seqlens,
+        mode=alg.aggregation,
+        rollout_ids=[r.rollout_id for r in rollouts],
+        constant=alg.aggregation_constant,
+    )
+    if run.reference is not None:
+        batch.ref_logprobs = run.reference.compute_logprobs(batch).logprobs
+    # One optimizer step per batch: the policy before the step is the current one, so old
+    # log-probs equal the live ones and the loss uses those (detached); no extra forward.
+    # Tokens sampled by an older policy (stale rounds, surplus groups the dynamic sampler
+    # carries over) differ from it as the behaviour policy: `train/mismatch` measures that
+    # against the rollout log-probs and `algorithm.loss.correction: tis` corrects it.
+    if alg.recompute_old_logprobs:
+        batch.old_logprobs = policy.compute_logprobs(batch).logprobs
+    return batch
+
+
+# ----------------------------------------------------------------------------- train
+def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
+    """Build the batch of ``groups`` (:func:`rl_batch`) and take one optimizer step of the
+    policy (and the critic); returns the train metrics. Torch only: in async mode it runs in
+    the trainer thread."""
+    t0 = time.perf_counter()
+    batch = rl_batch(run, groups)
+    m = run.policy.train_step(batch, run.parts.loss_fn)
+    critic_record: dict[str, Any] = {}
+    if run.critic is not None:
+        cm = run.critic.train_step(batch, run.parts.value_loss_fn)
+        critic_record = {
+            "critic/loss": cm["loss"],
+            "critic/grad_norm": cm["grad_norm"],
+            "critic/value_mean": cm["value_mean"],
+            "critic/value_error": cm["value_error"],
+            "critic/clipfrac": cm["value_clipfrac"],
+        }
+    train_time = time.perf_counter() - t0
+    record: dict[str, Any] = {
+        "train/loss": m["loss"],
+        "train/grad_norm": m["grad_norm"],
+        "train/kl": m.get("kl", m.get("ppo_kl")),
+        "train/entropy": m.get("entropy"),
+    }
+    for k in ("pg_clipfrac", "ppo_kl", "mismatch", "tis_weight_mean", "tis_clipfrac", "lr"):
+        if k in m:
+            record[f"train/{k}"] = m[k]
+    record.update(critic_record)
+    record["perf/train_time"] = train_time
+    record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
+    return record
+
+
+# ----------------------------------------------------------------------------- publish
+async def publish(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Publish ``weights`` as ``version`` and have the generator load them (checked)."""
+    if run.runtime is not None:  # ray: policy rank 0 publishes what it holds
+        update = run.runtime.publish(version, weights)
+    else:
+        update = run.transport.publish(version, weights)
+    await run.generator.update_weights(update, run.receiver)
+    if run.generator.weight_version != version:
+        raise RLError(
+            f"generator serves version {run.generator.weight_version} after an update to "
+            f"{version}; the weight transport did not apply it."
+        )
+
+
+async def sync_weights(run: Trainer) -> float:
+    """Bring the generator to the policy's current weights; returns the seconds it took."""
+    t0 = time.perf_counter()
+    await publish(run, run.policy.version, run.policy.named_weights())
+    return time.perf_counter() - t0
+
+
+async def serve(run: Trainer, version: int, weights: Weights | None) -> None:
+    """Bring the generator to ``version`` for a rollout round (async mode): publish the copy
+    the trainer released, or the live policy when it holds exactly ``version``."""
+    if run.generator.weight_version >= version:
+        return
+    if weights is None:
+        if run.policy.version != version:
+            raise RLError(
+                f"weights of version {version} were not kept (policy is at "
+                f"{run.policy.version}); this is a bug in the rollout pipeline."
+            )
+        weights = run.policy.named_weights()
+    await publish(run, version, weights)
