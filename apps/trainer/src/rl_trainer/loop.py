@@ -127,7 +127,7 @@ class Trainer:
         cfg = self.config
         if cfg.model.path:
             return cfg.model.path
-        from rl_core.reference.tiny import TinyModelSpec, build_tiny_model
+        from rl_hf.tiny import TinyModelSpec, build_tiny_model
 
         path = self.run_dir / "init_model"
         if not (path / "config.json").exists():

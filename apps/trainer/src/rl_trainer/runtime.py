@@ -131,7 +131,7 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
             "weight_transport: {type: disk_full} or {type: disk_delta}."
         )
     pol = registry.resolve(registry.GROUPS["policy"], config.policy.type, field="policy.type")
-    if rc.policy.count > 1 and pol.__module__.startswith("rl_core.reference"):
+    if rc.policy.count > 1 and pol.__module__.startswith("rl_hf"):
         raise ConfigError(
             f"runtime.policy.count: {rc.policy.count} ranks, but policy.type={config.policy.type!r}"
             " trains in one process (no data or tensor parallelism). Use runtime.policy.count=1, "
@@ -139,7 +139,7 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
         )
     if config.critic is not None and rc.policy.count > 1:
         crit = registry.resolve(registry.GROUPS["critic"], config.critic.type, field="critic.type")
-        if crit.__module__.startswith("rl_core.reference"):
+        if crit.__module__.startswith("rl_hf"):
             raise ConfigError(
                 f"critic.type: {config.critic.type!r} trains in one process, but the critic runs "
                 f"on the {rc.policy.count} policy ranks; use a parallel critic such as "
