@@ -435,26 +435,40 @@ class HFGenerator(Generator):
         """Generate one batch; each request's future is resolved as soon as its row ends."""
         from transformers import DynamicCache
 
-        dev = self.model.device
         reqs = [p.request for p in batch]
-        B = len(reqs)
-        sp = [r.sampling for r in reqs]
-        lens = [len(r.input_ids) for r in reqs]
-        L = max(lens)
-        max_new = [s.max_new_tokens for s in sp]
-        T = max(max_new)
+        T = max(r.sampling.max_new_tokens for r in reqs)
         t0 = time.perf_counter()
+        ids_BL, mask_BL, pos_BL, lens_B = self._pack_prompts(reqs)
+        st = self._row_state(batch, mask_BL, lens_B, T)
+        cache = DynamicCache(config=self.model.config)
+        logits_AV = self._prefill(reqs, ids_BL, mask_BL, pos_BL, cache)
+        t1 = time.perf_counter()
+        steps = self._decode(batch, st, cache, logits_AV, prompt_len=ids_BL.shape[1], epoch=epoch)
+        t2 = time.perf_counter()
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "rows": len(reqs)}
 
-        # Left-padded prompts; positions count real tokens only.
+    def _pack_prompts(
+        self, reqs: list[GenerationRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded prompts ``(ids [B, L], mask [B, L], positions [B, L], lengths [B])``;
+        positions count real tokens only, so a padded row sees the positions it would alone."""
+        lens = [len(r.input_ids) for r in reqs]
+        B, L = len(reqs), max(lens)
         flat = torch.tensor([i for r in reqs for i in r.input_ids], dtype=torch.long)
         lens_B = torch.tensor(lens, dtype=torch.long)
         mask_BL = torch.arange(L)[None, :] >= (L - lens_B)[:, None]
         ids_BL = torch.full((B, L), self._pad_id, dtype=torch.long)
         ids_BL[mask_BL] = flat
         pos_BL = (mask_BL.long().cumsum(-1) - 1).clamp_(min=0)
+        return ids_BL, mask_BL, pos_BL, lens_B
 
-        # Per-row state, in the order of the rows still in the batch ("A" rows); compacting the
-        # batch selects all of it (and the KV cache) at once.
+    def _row_state(
+        self, batch: list[_Pending], mask_BL: torch.Tensor, lens_B: torch.Tensor, T: int
+    ) -> dict[str, torch.Tensor]:
+        """Per-row decode state, one entry per row still in the batch ("A" rows); compacting
+        the batch selects all of it (and the KV cache) at once."""
+        sp = [p.request.sampling for p in batch]
+        B = len(batch)
         temp_A = torch.tensor([s.temperature for s in sp], dtype=torch.float32)
         stops = [sorted(set(s.stop_token_ids) | set(self.default_stop_ids)) for s in sp]
         S = max(1, max(len(s) for s in stops))
@@ -468,13 +482,13 @@ class HFGenerator(Generator):
         for b, p in enumerate(batch):
             gen.manual_seed(p.seed)
             u_AT[b] = torch.rand(T, generator=gen, dtype=torch.float64)
-        st: dict[str, torch.Tensor] = {
+        return {
             "row": torch.arange(B),
             "greedy": temp_A == 0,
             "scale": torch.where(temp_A == 0, 1.0, temp_A),
             "top_p": torch.tensor([s.top_p for s in sp], dtype=torch.float32),
             "top_k": torch.tensor([max(s.top_k, 0) for s in sp], dtype=torch.long),
-            "max_new": torch.tensor(max_new, dtype=torch.long),
+            "max_new": torch.tensor([s.max_new_tokens for s in sp], dtype=torch.long),
             "stop": stop_AS,
             "u": u_AT,
             # attention mask of prompt and all future tokens; step t uses its first L + t + 1
@@ -483,12 +497,19 @@ class HFGenerator(Generator):
             "ids": torch.zeros((B, T), dtype=torch.long),
             "lp": torch.zeros((B, T), dtype=torch.float32),
         }
-        filter_any = bool((st["top_k"] > 0).any()) or bool((st["top_p"] < 1).any())
-        any_greedy = bool(st["greedy"].any())
-        ids_ = [r.request_id for r in reqs]
 
-        # Prefill each distinct prompt once (a GRPO group shares its prompt), then give every
-        # row its prompt's KV cache and last logits.
+    def _prefill(
+        self,
+        reqs: list[GenerationRequest],
+        ids_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        pos_BL: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
+        """Prefill each distinct prompt once (a GRPO group shares its prompt), then give every
+        row its prompt's KV cache; returns the last-position logits ``[B, V]``."""
+        dev = self.model.device
+        B, L = ids_BL.shape
         first: dict[tuple[int, ...], int] = {}
         inv = [first.setdefault(r.input_ids, b) for b, r in enumerate(reqs)]
         uniq_U = torch.tensor(sorted(first.values()), dtype=torch.long)
@@ -502,7 +523,6 @@ class HFGenerator(Generator):
             if uniq_U is None
             else (ids_BL[uniq_U], mask_BL[uniq_U], pos_BL[uniq_U])
         )
-        cache = DynamicCache(config=self.model.config)
         if self._own_masks:
             # Causal and padding mask built once here instead of by transformers at every call;
             # padded query rows attend to themselves so no row is fully masked (NaN in SDPA).
@@ -523,34 +543,25 @@ class HFGenerator(Generator):
         if expand_B is not None:
             cache.batch_select_indices(expand_B.to(dev))
             logits_AV = logits_AV[expand_B.to(dev)]
-        t1 = time.perf_counter()
+        return logits_AV
 
+    def _decode(
+        self,
+        batch: list[_Pending],
+        st: dict[str, torch.Tensor],
+        cache: Any,
+        logits_AV: torch.Tensor,
+        *,
+        prompt_len: int,
+        epoch: int,
+    ) -> int:
+        """Sample until every row stopped, hit its length or was aborted; each row's result is
+        posted as soon as it ends. Returns the number of decode steps taken."""
+        B, T = st["u"].shape
+        ids_ = [p.request.request_id for p in batch]
         version = self._version
-
-        def emit(
-            a_rows: list[int], n: int, stop_A: torch.Tensor, hit_A: torch.Tensor | None
-        ) -> None:
-            stop_l = stop_A.tolist()
-            hit_l = hit_A.tolist() if hit_A is not None else None
-            rows_l = st["row"].tolist()
-            for a in a_rows:
-                if stop_l[a]:
-                    reason = FinishReason.STOP
-                elif hit_l is not None and hit_l[a]:
-                    reason = FinishReason.ABORT
-                else:
-                    reason = FinishReason.LENGTH
-                b = rows_l[a]
-                res = GenerationResult(
-                    request_id=ids_[b],
-                    output_ids=tuple(st["ids"][a, :n].tolist()),
-                    output_logprobs=tuple(st["lp"][a, :n].tolist()),
-                    finish_reason=reason,
-                    weight_version=version,
-                )
-                p = batch[b]
-                _post(p.loop, _resolve, p.future, res)
-
+        filter_any = bool((st["top_k"] > 0).any()) or bool((st["top_p"] < 1).any())
+        any_greedy = bool(st["greedy"].any())
         live_A = torch.ones(B, dtype=torch.bool)
         abort_seq = self._abort_seq
         steps = 0
@@ -574,40 +585,86 @@ class HFGenerator(Generator):
             hit_A = None
             if self._abort_seq != abort_seq:
                 abort_seq = self._abort_seq
-                hit = self._aborted_rows(ids_, epoch)
-                if hit:
-                    hit_B = torch.zeros(B, dtype=torch.bool)
-                    hit_B[hit] = True
-                    hit_A = hit_B[st["row"]] & live_A
+                hit_A = self._aborted_live_rows(ids_, epoch, st["row"], live_A)
+                if hit_A is not None:
                     live_A &= ~hit_A
                     ended_A |= hit_A
             if bool(ended_A.any()):
-                emit(ended_A.nonzero().squeeze(-1).tolist(), t + 1, stop_A, hit_A)
+                rows = ended_A.nonzero().squeeze(-1).tolist()
+                _emit(batch, st, rows, t + 1, stop_A, hit_A, version)
             n_live = int(live_A.sum())
             if n_live == 0:
                 break
             A = live_A.shape[0]
             if A - n_live >= max(1, self.config.compact_fraction * A):
                 keep_A = live_A.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep_A.to(dev))
+                cache.batch_select_indices(keep_A.to(self.model.device))
                 st = {k: v[keep_A] for k, v in st.items()}
                 tok_A, live_A = tok_A[keep_A], live_A[keep_A]
                 any_greedy = bool(st["greedy"].any())
-            mask_now_AK = st["mask"][:, : L + t + 1].to(dev)
-            if self._own_masks:
-                attn = mask_now_AK[:, None, None, :]
-            else:
-                attn = mask_now_AK.long()
-            logits_AV = self.model(
-                input_ids=tok_A[:, None].to(dev),
-                attention_mask=attn,
-                position_ids=st["pos"][:, None].to(dev),
-                **{self._cache_arg: cache},
-                use_cache=True,
-            ).logits[:, -1]
+            logits_AV = self._decode_step(tok_A, st, cache, prompt_len + t + 1)
             st["pos"] += 1
-        t2 = time.perf_counter()
-        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "rows": B}
+        return steps
+
+    def _aborted_live_rows(
+        self, ids: list[str], epoch: int, row_A: torch.Tensor, live_A: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Live rows (mask over the rows still in the batch) aborted since the batch started,
+        or None when no request of this batch was aborted."""
+        hit = self._aborted_rows(ids, epoch)
+        if not hit:
+            return None
+        hit_B = torch.zeros(len(ids), dtype=torch.bool)
+        hit_B[hit] = True
+        return hit_B[row_A] & live_A
+
+    def _decode_step(
+        self, tok_A: torch.Tensor, st: dict[str, torch.Tensor], cache: Any, seen: int
+    ) -> torch.Tensor:
+        """Feed one token per row (attending to the first ``seen`` mask columns); returns the
+        next logits ``[A, V]``."""
+        dev = self.model.device
+        mask_now_AK = st["mask"][:, :seen].to(dev)
+        attn = mask_now_AK[:, None, None, :] if self._own_masks else mask_now_AK.long()
+        return self.model(
+            input_ids=tok_A[:, None].to(dev),
+            attention_mask=attn,
+            position_ids=st["pos"][:, None].to(dev),
+            **{self._cache_arg: cache},
+            use_cache=True,
+        ).logits[:, -1]
+
+
+def _emit(
+    batch: list[_Pending],
+    st: dict[str, torch.Tensor],
+    a_rows: list[int],
+    n: int,
+    stop_A: torch.Tensor,
+    hit_A: torch.Tensor | None,
+    version: int,
+) -> None:
+    """Post the results of rows ``a_rows`` (indices into the rows still in the batch), each with
+    its first ``n`` tokens and why it ended: a stop token, an abort, or its length."""
+    stop_l = stop_A.tolist()
+    hit_l = hit_A.tolist() if hit_A is not None else None
+    rows_l = st["row"].tolist()
+    for a in a_rows:
+        if stop_l[a]:
+            reason = FinishReason.STOP
+        elif hit_l is not None and hit_l[a]:
+            reason = FinishReason.ABORT
+        else:
+            reason = FinishReason.LENGTH
+        p = batch[rows_l[a]]
+        res = GenerationResult(
+            request_id=p.request.request_id,
+            output_ids=tuple(st["ids"][a, :n].tolist()),
+            output_logprobs=tuple(st["lp"][a, :n].tolist()),
+            finish_reason=reason,
+            weight_version=version,
+        )
+        _post(p.loop, _resolve, p.future, res)
 
 
 def _sample_rows(
