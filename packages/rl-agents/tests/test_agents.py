@@ -436,7 +436,7 @@ def test_agent_rollout_with_callable(hf_gen, tok):
     assert any(sum(r.loss_mask) > 6 for r in rollouts)
 
 
-def test_agent_rollout_failure_is_counted_not_raised(hf_gen, tok):
+def test_agent_rollout_failure_is_counted_not_raised(hf_gen, tok, caplog):
     fn = AgentRollout(AgentRollout.Config(program=f"{__name__}:broken_agent"))
 
     async def main():
@@ -450,6 +450,10 @@ def test_agent_rollout_failure_is_counted_not_raised(hf_gen, tok):
     assert r.reward is None
     with pytest.raises(RewardError, match="no reward"):
         SessionReward()(_prompt(tok), "", r)
+    # The traceback the rollout cannot hold is logged, not swallowed.
+    (record,) = [x for x in caplog.records if x.name == "rl_agents.rollout"]
+    assert record.levelname == "WARNING" and record.exc_info is not None
+    assert "agent crashed" in str(record.exc_info[1])
 
 
 def test_agent_rollout_with_subprocess(hf_gen, tok, tmp_path: Path):

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import uuid
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from rl_core.config import PositiveFloat, from_dict
 from rl_core.errors import ConfigError, RewardError
 from rl_core.interfaces import Generator, RolloutContext
 from rl_core.types import Prompt, Rollout
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AgentRollout", "AgentTask", "SessionReward"]
 
@@ -167,7 +170,10 @@ class AgentRollout:
         except TimeoutError:
             failure = f"agent_timeout: session ran over {self.config.timeout_s}s"
         except Exception as e:  # an agent's bug must not crash the training step
+            # Recorded twice: on the rollout (its status, counted by the trainer) and, with the
+            # traceback the rollout cannot hold, in the log.
             failure = f"agent_error: {e!r}"
+            logger.warning("agent session %s failed: %r", sid, e, exc_info=True)
         return server.finish_session(
             sid,
             prompt_uid=prompt.uid,
