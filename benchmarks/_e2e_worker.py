@@ -13,7 +13,7 @@ Every mode writes ``OUT`` (JSON): the eval curve ``[{step, reward, exact, train_
 ``train_s`` is wall time since the RL phase started minus the time spent in evaluation, the
 number of samples and response tokens trained on, and the RL phase's wall and eval seconds.
 Evaluation is the same code in every mode: greedy decoding of the held-out prompts with
-``rl_core.reference.HFGenerator`` and the task's reward, averaged as ``Trainer.evaluate`` does.
+``rl_hf.HFGenerator`` and the task's reward, averaged as ``Trainer.evaluate`` does.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class HeldOutEval:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         from rl_buffer.sources import JsonlSource
-        from rl_core.reference.generator import HFGenerator
+        from rl_hf.generator import HFGenerator
         from rl_trainer.rollout import Scorer
         from rl_trainer.tasks import ReverseTask
 

@@ -56,10 +56,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from rl_core.reference import TinyModelSpec, build_tiny_model
-    from rl_core.reference._hf import quiet_progress
-    from rl_core.reference.generator import HFGenerator
     from rl_core.types import GenerationRequest, SamplingParams
+    from rl_hf import TinyModelSpec, build_tiny_model
+    from rl_hf._hf import quiet_progress
+    from rl_hf.generator import HFGenerator
 
     tmp = tempfile.mkdtemp(prefix="rollout_bench_")
     spec = TinyModelSpec(

@@ -50,7 +50,7 @@ def test_calculator_tool_use_learns(tmp_path, cli):
 
 AGENT = '''
 import openai
-from rl_core.agents import AgentTask
+from rl_agents import AgentTask
 
 
 def solve(task: AgentTask) -> float:

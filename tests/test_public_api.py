@@ -3,13 +3,25 @@ rl-core surface is pinned."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
-PACKAGES = ["rl_core", "rl_buffer", "rl_weightsync", "rl_sglang", "rl_trainer"]
+PACKAGES = [
+    "rl_core",
+    "rl_hf",
+    "rl_agents",
+    "rl_buffer",
+    "rl_weightsync",
+    "rl_sglang",
+    "rl_trainer",
+]
+# Every distribution of the monorepo, by import name: they release in lockstep while 0.x.
+DISTRIBUTIONS = [*PACKAGES, "rl_megatron"]
 
 
 def _modules(package: str):
@@ -92,3 +104,30 @@ def test_rl_core_surface_is_pinned():
     }
     for name in rl_core.testing.__all__:
         assert getattr(rl_core.testing, name) is not None
+
+
+def _declared_version(package: str) -> str:
+    """``__version__`` of a package's ``version.py``, read without importing it (rl_megatron
+    needs megatron to import)."""
+    root = Path(__file__).resolve().parents[1]
+    (path,) = [
+        *root.glob(f"packages/*/src/{package}/version.py"),
+        *root.glob(f"apps/*/src/{package}/version.py"),
+    ]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and node.targets[0].id == "__version__":
+            return node.value.value
+    raise AssertionError(f"{path} has no __version__")
+
+
+def test_versions_are_in_lockstep():
+    """All distributions share one version, and each pyproject reads it from its version.py."""
+    versions = {p: _declared_version(p) for p in DISTRIBUTIONS}
+    assert len(set(versions.values())) == 1, versions
+    root = Path(__file__).resolve().parents[1]
+    pyprojects = sorted(
+        [*root.glob("packages/*/pyproject.toml"), *root.glob("apps/*/pyproject.toml")]
+    )
+    assert len(pyprojects) == len(DISTRIBUTIONS)
+    for pyproject in pyprojects:
+        assert 'path = "src/rl_' in pyproject.read_text() and "/version.py" in pyproject.read_text()

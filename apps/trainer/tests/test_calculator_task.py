@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from rl_agents.examples.calculator import CALL_PATTERN, evaluate
 from rl_core.errors import ConfigError
-from rl_core.examples.calculator import CALL_PATTERN, evaluate
 from rl_trainer.tasks import CalculatorTask
 
 

@@ -34,7 +34,7 @@ from rl_core import registry
 from rl_core.algorithms import GRPO, PolicyLoss
 from rl_core.config import ComponentSpec, Range, load_config_file
 from rl_core.errors import RLError
-from rl_core.reference.tiny import TinyModelSpec
+from rl_hf.tiny import TinyModelSpec
 from rl_trainer.cli import main, recipe_path
 from rl_trainer.config import TrainerConfig, load_trainer_config
 

@@ -188,8 +188,8 @@ def test_hf_generator_abort_and_resume(tmp_path):
     """With the reference generator: an update released mid-generation cuts the running batch
     short; every rollout still gets its full budget, and the tokens sampled after the update
     carry the new version."""
-    from rl_core.reference import HFGenerator
-    from rl_core.reference.tiny import build_tiny_model
+    from rl_hf import HFGenerator
+    from rl_hf.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny")
     gen = HFGenerator(
@@ -248,7 +248,7 @@ def test_hf_generator_abort_and_resume(tmp_path):
         ({"partial_rollouts": True, "async_generation": True, "max_staleness": 0}, {}, "max_stal"),
         (
             {"partial_rollouts": True, "async_generation": True},
-            {"generate_fn": {"type": "rl_core.examples.calculator:CalculatorRollout"}},
+            {"generate_fn": {"type": "rl_agents.examples.calculator:CalculatorRollout"}},
             "generate_fn",
         ),
     ],

@@ -43,9 +43,9 @@ def char_tokenizer() -> CharTokenizer:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer():
-    """The byte-level ChatML tokenizer of rl_core.reference (built locally)."""
+    """The byte-level ChatML tokenizer of rl_hf (built locally)."""
     pytest.importorskip("transformers")
-    from rl_core.reference.tokenizer import build_tokenizer
+    from rl_hf.tokenizer import build_tokenizer
 
     return build_tokenizer()
 

@@ -57,10 +57,12 @@ def test_unknown_names_are_clear():
 
 
 def test_entry_points_resolve():
-    from rl_core.reference.policy import HFPolicy
+    from rl_core.algorithms.advantages import GRPO
+    from rl_core.rewards.text import ExactMatch
 
-    assert "hf" in registry.available("rl.policies")
-    assert registry.resolve("rl.policies", "hf") is HFPolicy
+    assert "grpo" in registry.available("rl.advantages")
+    assert registry.resolve("rl.advantages", "grpo") is GRPO
+    assert registry.resolve("rl.rewards", "exact_match") is ExactMatch
 
 
 def test_local_registration():

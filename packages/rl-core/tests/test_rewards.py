@@ -244,7 +244,7 @@ def test_math_equiv_works_off_the_main_thread(math_equiv):
 def test_rewards_package_does_not_import_optional_deps():
     """``math_verify`` (and what it pulls in) is imported only when ``math_equiv`` is built."""
     code = (
-        "import sys, rl_core, rl_core.rewards, rl_core.trajectory, rl_core.examples.calculator\n"
+        "import sys, rl_core, rl_core.rewards\n"
         "from rl_core import registry\n"
         "from rl_core.config import ComponentSpec\n"
         "registry.build('reward', ComponentSpec(type='exact_match'))\n"

@@ -17,7 +17,7 @@ fresh policy at the same layout, loads that checkpoint and takes the RL step aga
 
 Per-rank values are gathered to every rank; rank 0 writes them to ``OUT_DIR/results.pt`` under
 ``"<scenario>/<what>"`` keys, together with the exact batches used, so the test can replay the
-same steps with :class:`~rl_core.reference.HFPolicy`.
+same steps with :class:`~rl_hf.HFPolicy`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_core.reference import TinyModelSpec, build_tiny_model
+from rl_hf import TinyModelSpec, build_tiny_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,7 +32,7 @@ def build_qwen3_model(save_dir: Path, *, tie: bool = False, seed: int = 0) -> Pa
     """A tiny random Qwen3 (QK-norm, explicit head_dim) with the local test tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_core.reference.tokenizer import build_tokenizer
+    from rl_hf.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     config = AutoConfig.for_model(

@@ -10,7 +10,7 @@ layouts (see ``_combined_worker.LAUNCHES``):
   distributed checkpoint with the optimizer state (1-2 min on two loaded cores).
 
 Each data-parallel replica works on its shard of the step batch (``TrainBatch.shard``); the tests
-replay the whole batch with :class:`~rl_core.reference.HFPolicy` in this process on the same
+replay the whole batch with :class:`~rl_hf.HFPolicy` in this process on the same
 weights and compare log-probs, an SFT step and an RL step, the exported weights, and a
 checkpoint reloaded at world 1.
 """
@@ -29,8 +29,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.reference import HFPolicy
 from rl_core.testing.policy import sft_loss
+from rl_hf import HFPolicy
 
 WORKER = Path(__file__).with_name("_combined_worker.py")
 TIMEOUT_S_PER_RANK = 225.0

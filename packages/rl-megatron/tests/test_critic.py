@@ -13,8 +13,8 @@ from rl_core import registry
 from rl_core.algorithms import ValueLoss
 from rl_core.errors import CheckpointError
 from rl_core.interfaces import Critic
-from rl_core.reference import HFCritic
 from rl_core.testing.policy import random_batch
+from rl_hf import HFCritic
 from rl_megatron.critic import MegatronCritic
 
 

@@ -2,7 +2,7 @@
 
 One two-rank job (``_dist_worker.py``, launched like ``torchrun`` on 127.0.0.1 with a free port
 and one thread per process) runs every scenario once per module; the tests compare its results
-with :class:`~rl_core.reference.HFPolicy` run in this process on the same weights and batches.
+with :class:`~rl_hf.HFPolicy` run in this process on the same weights and batches.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.reference import HFPolicy
 from rl_core.testing.policy import random_batch, sft_loss
+from rl_hf import HFPolicy
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 LENGTHS = [5, 8, 3, 6, 4, 7]
@@ -170,7 +170,7 @@ def test_critic_matches_reference_critic(
     import dataclasses
 
     from rl_core.algorithms import ValueLoss
-    from rl_core.reference import HFCritic
+    from rl_hf import HFCritic
 
     ref = HFCritic(HFCritic.Config(model_path=str(model_dirs["qwen2"]), lr=1e-2))
     batch = random_batch(

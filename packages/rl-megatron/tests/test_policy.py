@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from rl_core.errors import ConfigError, WeightSyncError
-from rl_core.reference import HFPolicy
 from rl_core.testing.policy import PolicyConformance, pack_sequences, random_batch, sft_loss
+from rl_hf import HFPolicy
 from rl_megatron.policy import MegatronPolicy
 
 

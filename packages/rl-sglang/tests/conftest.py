@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.reference import TinyModelSpec, build_tiny_model
+from rl_hf import TinyModelSpec, build_tiny_model
 from rl_sglang import SGLangGenerator, _cpu_support
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

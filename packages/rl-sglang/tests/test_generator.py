@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 
 from rl_core.batching import gather_response, pack_rollouts
 from rl_core.errors import WeightSyncError
-from rl_core.reference import HFPolicy
 from rl_core.testing.generator import InMemoryTransport
 from rl_core.types import (
     FinishReason,
@@ -26,6 +25,7 @@ from rl_core.types import (
     RolloutStatus,
     SamplingParams,
 )
+from rl_hf import HFPolicy
 from rl_sglang import SGLangCollectiveTransport, SGLangGenerator
 from rl_weightsync.disk_delta import DiskDeltaTransport
 from rl_weightsync.disk_full import DiskFullTransport

@@ -43,7 +43,7 @@ def init_model_path(cfg: TrainerConfig) -> str:
     into ``<run_dir>/init_model`` (once; an existing one is reused)."""
     if cfg.model.path:
         return cfg.model.path
-    from rl_core.reference.tiny import TinyModelSpec, build_tiny_model
+    from rl_hf.tiny import TinyModelSpec, build_tiny_model
 
     path = cfg.run_path / "init_model"
     if not (path / "config.json").exists():
@@ -77,13 +77,13 @@ def load_tokenizer(cfg: TrainerConfig) -> Any:
                 f"model.path: no tokenizer could be loaded from {path} ({e}); the directory "
                 "needs the tokenizer files (tokenizer.json / tokenizer_config.json)."
             ) from None
-    from rl_core.reference.tiny import TinyModelSpec
+    from rl_hf.tiny import TinyModelSpec
 
     from_dict(TinyModelSpec, {"seed": cfg.seed, **(cfg.model.init or {})}, path="model.init")
     built = cfg.run_path / "init_model"
     if (built / "config.json").exists():
         return AutoTokenizer.from_pretrained(str(built))
-    from rl_core.reference.tokenizer import build_tokenizer
+    from rl_hf.tokenizer import build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="rl-tokenizer-") as tmp:
         build_tokenizer(tmp)

@@ -73,7 +73,7 @@ class ModelConfig:
     set and this is empty, the tiny model is built into ``<run_dir>/init_model``."""
     init: dict[str, Any] | None = None
     """Build a tiny random model from this spec (fields of
-    :class:`rl_core.reference.tiny.TinyModelSpec`) instead of loading one; no downloads."""
+    :class:`rl_hf.tiny.TinyModelSpec`) instead of loading one; no downloads."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -531,7 +531,7 @@ def _check_light_components(cfg: TrainerConfig) -> None:
             from_dict(config_cls, options, path=where)
     # The algorithm's and the tiny model's settings, as the trainer reads them.
     from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss, ValueLoss
-    from rl_core.reference.tiny import TinyModelSpec
+    from rl_hf.tiny import TinyModelSpec
 
     alg = cfg.algorithm
     est = ADVANTAGE_ESTIMATORS.get(alg.advantage) or registry.resolve(

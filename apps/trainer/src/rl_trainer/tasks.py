@@ -6,7 +6,7 @@ score responses exactly.
 - ``calculator`` (tool use): ``"23*47="``; the model calls the calculator tool and answers,
   ``"CALC: 23*47\n= 1081\nANSWER: 1081"`` (the ``= 1081`` line is the tool's observation);
   reward = fraction of answer digits right. Run it with
-  :class:`rl_core.examples.calculator.CalculatorRollout` as the rollout.
+  :class:`rl_agents.examples.calculator.CalculatorRollout` as the rollout.
 
 Both use plain-text prompts (no chat template) so a tiny model spends its capacity on the task.
 A task is a class with a nested ``Config``, registered under the ``rl.tasks`` entry-point group.
@@ -169,7 +169,7 @@ class CalculatorTask(Task):
 
     The label is a worked tool-use transcript, ``"CALC: 23*47\\n= 1081\\nANSWER: 1081"``, so the
     SFT warm-up (which trains on labels) teaches the call and answer format; in RL the ``= ...``
-    line is written by the tool (:class:`rl_core.examples.calculator.CalculatorRollout`), not
+    line is written by the tool (:class:`rl_agents.examples.calculator.CalculatorRollout`), not
     the model. The operands are too large for a tiny model to multiply in its head: the reward
     is earned by calling the tool with the right expression and copying its result.
 

@@ -1,7 +1,9 @@
-"""rl-core: backend-agnostic interfaces, value types, algorithms, config and registry.
+"""rl-core: backend-agnostic interfaces, value types, algorithms, config, registry, rewards and
+conformance suites.
 
-Importing ``rl_core`` imports torch and numpy only; the Hugging Face reference backends live in
-:mod:`rl_core.reference` (extra ``rl-core[hf]``) and are imported on demand.
+Importing ``rl_core`` imports torch and numpy only. Backends are adapter packages: the
+transformers backend is ``rl-hf`` (:mod:`rl_hf`), the agent server, trajectory builder and sandbox
+are ``rl-agents`` (:mod:`rl_agents`); see ``docs/architecture.md`` for what belongs where.
 """
 
 from rl_core.errors import RLError

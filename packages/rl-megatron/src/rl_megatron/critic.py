@@ -28,7 +28,7 @@ __all__ = ["HEAD_FILE", "MegatronCritic"]
 
 HEAD_FILE = "value_head.pt"
 """File name of the value head's weights inside a saved critic directory (same as
-:data:`rl_core.reference.critic.HEAD_FILE`, so the two backends read each other's heads)."""
+:data:`rl_hf.critic.HEAD_FILE`, so the two backends read each other's heads)."""
 
 
 class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):

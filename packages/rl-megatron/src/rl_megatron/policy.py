@@ -146,7 +146,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         if not (path / "config.json").is_file():
             raise ConfigError(
                 f"policy.model_path: {str(path)!r} has no config.json; point it at a Hugging Face "
-                "model directory (e.g. one written by rl_core.reference.build_tiny_model)."
+                "model directory (e.g. one written by rl_hf.build_tiny_model)."
             )
         if config.dtype == "bfloat16" and not torch.cuda.is_available():
             raise ConfigError(

@@ -1,0 +1,40 @@
+"""rl-agents: multi-turn and agent rollouts; train unmodified agent programs through an
+OpenAI-compatible server.
+
+- :class:`AgentServer`: ``/v1/chat/completions`` (streaming or not, tool calls) and
+  ``/v1/models`` in front of any :class:`~rl_core.interfaces.Generator`; it records the exact
+  token ids and log-probs served in each session.
+- :class:`Session`, :class:`TurnRecord`, :func:`linearize`: the recorded turns and how they
+  become training rollouts (turns merged when the next prompt extends the held tokens).
+- :class:`AgentRollout`: a :class:`~rl_core.interfaces.GenerateFn` that runs an agent program (a
+  Python callable or a subprocess) against the server; :class:`SessionReward` trains on the
+  reward the program reports.
+- :class:`ChatFormat`: chat template rendering and ``<tool_call>`` parsing.
+- :mod:`rl_agents.trajectory`: :class:`~rl_agents.trajectory.TrajectoryBuilder`, the token-exact
+  record of a multi-turn rollout that any custom ``generate_fn`` can build.
+- :mod:`rl_agents.tools`: the code :class:`~rl_agents.tools.Sandbox`.
+- :mod:`rl_agents.examples`: the calculator tool rollout (``generate_fn: {type: calculator}``).
+
+The server needs ``aiohttp`` (a dependency of rl-agents); it is imported only when a server
+starts, so ``import rl_agents`` stays light. See ``docs/agents.md``.
+"""
+
+from rl_agents.chat import ChatFormat, ParsedCompletion, ToolCall
+from rl_agents.rollout import AgentRollout, AgentTask, SessionReward
+from rl_agents.server import AgentServer
+from rl_agents.session import Session, TurnRecord, linearize
+from rl_agents.version import __version__
+
+__all__ = [
+    "AgentRollout",
+    "AgentServer",
+    "AgentTask",
+    "ChatFormat",
+    "ParsedCompletion",
+    "Session",
+    "SessionReward",
+    "ToolCall",
+    "TurnRecord",
+    "__version__",
+    "linearize",
+]

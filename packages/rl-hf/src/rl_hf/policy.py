@@ -1,0 +1,550 @@
+"""The reference :class:`~rl_core.interfaces.Policy` on a Hugging Face causal LM.
+
+Plain PyTorch + transformers on one device: padding-free packed forward with per-sequence
+attention, token log-probs and entropy, gradient accumulation over the batch's micro-batch plan,
+AdamW with warmup, and save/load in Hugging Face format. It is the embedded default on one
+machine without a GPU and the oracle other policies are compared against::
+
+    from rl_hf import HFPolicy, build_tiny_model
+
+    policy = HFPolicy(HFPolicy.Config(model_path=str(build_tiny_model("runs/tiny")), lr=1e-3))
+    out = policy.compute_logprobs(batch, with_entropy=True)   # out.logprobs [T], out.entropy [T]
+    metrics = policy.train_step(batch, loss_fn)               # {"loss", "grad_norm", "lr", ...}
+    transport.publish(policy.version, policy.named_weights())
+
+Tensor-name legend: ``T`` packed tokens, ``S = T - 1`` shifted positions, ``N`` sequences,
+``V`` vocabulary.
+
+It is also a :class:`~rl_core.interfaces.WeightTarget` (``weight_version``, ``load_weights``), so a
+second instance serves as the frozen reference model for KL losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from rl_core.config import OptimizerConfig, PositiveFloat, Seed
+from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
+from rl_core.interfaces import LossFn, Policy
+from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+
+__all__ = ["HFPolicy", "token_logprobs"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+STATE_FILE = "rl_policy_state.pt"
+"""File (next to the HF weights) holding the version and, optionally, optimizer and scheduler."""
+
+
+def token_logprobs(
+    logits_TV: torch.Tensor,
+    tokens_T: torch.Tensor,
+    starts_T: torch.Tensor,
+    *,
+    temperature: PositiveFloat = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each token under the logits of the position before it, and that entropy.
+
+    Args:
+        logits_TV: ``[T, V]`` logits of a packed forward (position ``t`` predicts ``t + 1``).
+        tokens_T: ``[T]`` int64 token ids.
+        starts_T: ``[T]`` bool, True at the first token of each sequence.
+        temperature: logits are divided by it before the softmax.
+        with_entropy: also return the entropy of each predictive distribution.
+
+    Returns:
+        ``logp_T`` (float32, 0 at sequence starts) and ``entropy_T`` (or ``None``).
+        Memory: besides ``logits_TV`` at most one ``[T, V]`` temporary exists at a time
+        (log-sum-exp and gather instead of a full ``log_softmax``).
+    """
+    if tokens_T.shape[0] == 0:
+        empty_T = logits_TV.new_zeros(0, dtype=torch.float32)
+        return empty_T, (empty_T if with_entropy else None)
+    logits_SV = logits_TV[:-1]
+    if logits_SV.dtype != torch.float32:
+        logits_SV = logits_SV.float()
+    if temperature != 1.0:
+        logits_SV = logits_SV / temperature
+    lse_S = torch.logsumexp(logits_SV, dim=-1)
+    target_S = logits_SV.gather(-1, tokens_T[1:, None]).squeeze(-1)
+    keep_T = ~starts_T
+    zero_1 = lse_S.new_zeros(1)
+    logp_T = torch.where(keep_T, torch.cat([zero_1, target_S - lse_S]), 0.0)
+    if not with_entropy:
+        return logp_T, None
+    # H = lse - sum_v p_v * z_v; the dot product runs as a batched matmul (no [S, V] product).
+    p_SV = torch.softmax(logits_SV, dim=-1)
+    expected_S = torch.bmm(p_SV.unsqueeze(1), logits_SV.unsqueeze(2)).view(-1)
+    entropy_S = (lse_S - expected_S).clamp_min(0.0)
+    entropy_T = torch.where(keep_T, torch.cat([zero_1, entropy_S]), 0.0)
+    return logp_T, entropy_T
+
+
+class HFPolicy(Policy):
+    """A trainable Hugging Face causal LM (``AutoModelForCausalLM``) on one device.
+
+    Forward passes are padding-free: each micro-batch runs as one row of ``T`` packed tokens with
+    positions reset per sequence and attention confined to each sequence (see
+    :mod:`rl_hf._packed_attention`). Dropout is off (the model stays in eval mode).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizerConfig):
+        """Settings of :class:`HFPolicy` (AdamW settings from
+        :class:`~rl_core.config.OptimizerConfig`)."""
+
+        model_path: str
+        """Hugging Face model directory (``config.json``, weights, tokenizer files)."""
+        temperature: PositiveFloat = 1.0
+        """Logits are divided by it before log-softmax, in ``compute_logprobs`` and
+        ``train_step``; set it to the rollout sampling temperature."""
+        dtype: Literal["float32", "bfloat16"] = "float32"
+        """Parameter and compute dtype (log-softmax always runs in float32)."""
+        attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+        """``"sdpa"``: packed SDPA of this package (fast, exact). ``"eager"``: transformers'
+        eager attention with its own block-diagonal mask from ``position_ids`` (slow, a
+        cross-check)."""
+        device: str = "cpu"
+        """Torch device for the model and optimizer state."""
+        seed: Seed = 0
+        """Seeds the (private) RNG of each ``train_step`` as ``seed + version``; with dropout
+        off nothing random runs today, but stochastic layers stay reproducible."""
+
+        def __post_init__(self) -> None:
+            OptimizerConfig.__post_init__(self)
+            if not self.temperature > 0:
+                raise ConfigError(
+                    f"policy.temperature: must be > 0, got {self.temperature}; log-probs of "
+                    "greedy (temperature 0) sampling are not defined, use 1.0."
+                )
+            if self.dtype not in ("float32", "bfloat16"):
+                raise ConfigError(f"policy.dtype: {self.dtype!r} is not 'float32' or 'bfloat16'.")
+            if self.attn_implementation not in ("sdpa", "eager"):
+                raise ConfigError(
+                    f"policy.attn_implementation: {self.attn_implementation!r} is not 'sdpa' or "
+                    "'eager'."
+                )
+
+    supports_offload: ClassVar[bool] = False
+    """``offload``/``onload`` are no-ops (the model lives on one device)."""
+
+    def __init__(self, config: Config) -> None:
+        """Load the model and tokenizer from ``config.model_path`` and build the optimizer.
+
+        Raises:
+            ConfigError: ``model_path`` is missing or is not a Hugging Face model directory.
+        """
+        from transformers import AutoModelForCausalLM
+
+        from rl_hf._hf import quiet_progress
+        from rl_hf._packed_attention import ATTN_NAME, register_packed_attention
+
+        self.config = config
+        """The settings this policy was built from (read-only)."""
+        path = Path(config.model_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"policy.model_path: {str(path)!r} has no config.json; point it at a Hugging Face "
+                "model directory (e.g. one written by rl_hf.build_tiny_model)."
+            )
+        attn = config.attn_implementation
+        if attn == "sdpa":
+            register_packed_attention()
+            attn = ATTN_NAME
+        self.device = torch.device(config.device)
+        """Device of the model and optimizer state."""
+        dtype = getattr(torch, config.dtype)
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, attn_implementation=attn
+            )
+        self.model = model.to(self.device).eval()
+        """The ``transformers`` causal LM (eval mode: dropout off)."""
+        self.tokenizer = self._load_tokenizer(path)
+        """The tokenizer saved with the model (``AutoTokenizer`` of ``model_path``)."""
+        self._check_saveable(path)
+        self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self._version = 0
+        self._params = self._trainable_parameters()
+        self.optimizer = torch.optim.AdamW(  # state is allocated lazily, at the first step
+            self._params,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
+        )
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (subclasses add their heads)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _check_saveable(self, path: Path) -> None:
+        """Write the model's configs as :meth:`save` will, into a scratch directory, so a config
+        transformers cannot serialise fails now rather than at the first checkpoint."""
+        try:
+            with tempfile.TemporaryDirectory() as scratch:
+                self.model.config.save_pretrained(scratch)
+                if self.model.can_generate():
+                    self.model.generation_config.save_pretrained(scratch)
+        except Exception as e:  # transformers raises TypeError, ValueError, OSError, ...
+            raise ConfigError(
+                f"policy.model_path: the config of the model in {str(path)!r} cannot be saved "
+                f"({type(e).__name__}: {e}), so no checkpoint or final model could be written. "
+                "Fix config.json / generation_config.json there (a value JSON cannot hold, or "
+                "generation settings transformers rejects) and start again."
+            ) from e
+
+    def _load_tokenizer(self, path: Path) -> Any:
+        from transformers import AutoTokenizer
+
+        # transformers 5 silently builds an empty tokenizer when the files are missing.
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ConfigError(
+                f"policy.model_path: {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                "save the tokenizer next to the model (tokenizer.save_pretrained(model_path))."
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"policy.model_path: the tokenizer in {str(path)!r} does not load ({exc})."
+            ) from exc
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        if len(tokenizer) > vocab:
+            raise ConfigError(
+                f"policy.model_path: the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but "
+                f"the model's vocabulary has {vocab}; they do not belong together."
+            )
+        return tokenizer
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied since the initial weights (or the version loaded)."""
+        return self._version
+
+    @property
+    def weight_version(self) -> int:
+        """Same as :attr:`version` (the :class:`~rl_core.interfaces.WeightTarget` name)."""
+        return self._version
+
+    @property
+    def model_shape(self) -> ModelShape:
+        """Architecture numbers read from the Hugging Face config."""
+        cfg = self.model.config.get_text_config()
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+        shared = getattr(cfg, "n_shared_experts", None) or (
+            1 if getattr(cfg, "shared_expert_intermediate_size", 0) else 0
+        )
+        return ModelShape(
+            num_layers=int(cfg.num_hidden_layers),
+            hidden_size=int(cfg.hidden_size),
+            num_attention_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            ffn_hidden_size=int(cfg.intermediate_size),
+            vocab_size=int(cfg.vocab_size),
+            num_experts=int(experts),
+            moe_top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if experts else 0,
+            num_shared_experts=int(shared) if experts else 0,
+            moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None) if experts else None,
+            tied_embeddings=self._tied,
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def _packed_inputs(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``position_ids_T`` and the keyword arguments of one packed forward (one row of ``T``
+        tokens, positions reset per sequence, attention confined to each sequence)."""
+        from rl_hf._packed_attention import PackingInfo
+
+        tokens_T = batch.tokens.to(self.device)
+        position_ids_T = batch.position_ids().to(self.device)
+        kwargs: dict[str, Any] = {
+            "input_ids": tokens_T[None],
+            "position_ids": position_ids_T[None],
+            "attention_mask": None,
+            "use_cache": False,
+        }
+        if self.config.attn_implementation == "sdpa":
+            cu_N1 = batch.cu_seqlens.to(self.device)
+            kwargs["rl_packing"] = PackingInfo.build(
+                batch.seq_index().to(self.device), position_ids_T, cu_N1[1:] - cu_N1[:-1]
+            )
+        return position_ids_T, kwargs
+
+    def _packed_logprobs(
+        self, batch: TrainBatch, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed forward of one micro-batch; ``logp_T`` (and ``entropy_T``) on the model device."""
+        tokens_T = batch.tokens.to(self.device)
+        if tokens_T.shape[0] == 0:
+            return token_logprobs(
+                tokens_T.new_zeros(0, 1).float(),
+                tokens_T,
+                tokens_T.bool(),
+                with_entropy=with_entropy,
+            )
+        position_ids_T, kwargs = self._packed_inputs(batch)
+        logits_1TV = self.model(**kwargs).logits
+        return token_logprobs(
+            logits_1TV[0],
+            tokens_T,
+            position_ids_T == 0,
+            temperature=self.config.temperature,
+            with_entropy=with_entropy,
+        )
+
+    def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
+        """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens``, without gradients.
+
+        Runs one forward per micro-batch of ``batch.micro_batch_bounds`` (bounding memory) and
+        returns float32 tensors on the device of ``batch.tokens``.
+        """
+        logps, ents = [], []
+        with torch.no_grad():
+            for mb in batch.micro_batches():
+                logp_T, ent_T = self._packed_logprobs(mb, with_entropy=with_entropy)
+                logps.append(logp_T)
+                if ent_T is not None:
+                    ents.append(ent_T)
+        out_device = batch.tokens.device
+        logp_T = torch.cat(logps).to(out_device)
+        ent_T = torch.cat(ents).to(out_device) if with_entropy else None
+        return LogProbOutput(logprobs=logp_T, entropy=ent_T)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One AdamW step over all micro-batches of ``batch`` (gradients accumulated, not averaged).
+
+        The loss function gets the micro-batch's ``logprobs [T]`` (with gradients), the micro-batch
+        itself and, if ``loss_fn.requires_entropy`` is true, the entropy ``[T]`` (else ``None``).
+
+        Returns:
+            ``loss`` (sum over micro-batches), ``grad_norm`` (before clipping), ``lr`` (used by
+            this step), ``skipped_step`` (1.0 when the gradient norm was not finite: the weights
+            and the learning-rate schedule are left unchanged, the version still advances) and the
+            sums of the loss function's metrics.
+        """
+        needs_entropy = bool(getattr(loss_fn, "requires_entropy", False))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        metric_sums: dict[str, float] = {}
+        rng_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(self.config.seed + self._version)
+            for mb in batch.micro_batches():
+                mb_dev = self._on_device(mb)
+                logp_T, ent_T = self._packed_logprobs(mb_dev, with_entropy=needs_entropy)
+                out = loss_fn(logp_T, mb_dev, ent_T)
+                if out.loss.requires_grad:  # a micro-batch with all-zero weights has none
+                    out.loss.backward()
+                loss_sum += float(out.loss.detach())
+                for name, value in out.metrics.items():
+                    metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
+        if self.config.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.config.grad_clip)
+        else:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grad_norm_f = float(grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        skipped = not math.isfinite(grad_norm_f)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()  # the schedule counts applied updates
+        self.optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+        metrics = {
+            "loss": loss_sum,
+            "grad_norm": grad_norm_f,
+            "lr": lr,
+            "skipped_step": float(skipped),
+        }
+        metrics.update(metric_sums)
+        return metrics
+
+    def _on_device(self, batch: TrainBatch) -> TrainBatch:
+        if batch.tokens.device == self.device:
+            return batch
+        moved = {
+            f.name: getattr(batch, f.name).to(self.device)
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(batch, **moved)
+
+    # ------------------------------------------------------------------ weights
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every weight, in ``state_dict`` order and naming.
+
+        With tied embeddings ``lm_head.weight`` is omitted: it is the same tensor as
+        ``model.embed_tokens.weight``, and neither ``save_pretrained`` files nor SGLang's
+        loaders carry it for tied models. Tensors are detached views of the live weights: copy
+        them if you keep them across a ``train_step``.
+        """
+        for name, tensor in self.model.state_dict().items():
+            if self._tied and name == "lm_head.weight":
+                continue
+            yield name, tensor.detach()
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Copy the named tensors into the model and set the version (``WeightTarget``).
+
+        All names and shapes are checked before any weight changes. Names not given keep their
+        values; for a tied model ``lm_head.weight`` is accepted and written to the shared matrix.
+
+        Raises:
+            WeightSyncError: an unknown name or a shape mismatch (nothing is changed).
+        """
+        self._copy_in(dict(named_tensors), error=WeightSyncError, source="load_weights")
+        self._version = int(version)
+
+    def _copy_in(
+        self, tensors: dict[str, torch.Tensor], *, error: type[RLError], source: str
+    ) -> None:
+        state = self.model.state_dict()
+        if self._tied and "lm_head.weight" in tensors:
+            lm_head = tensors.pop("lm_head.weight")
+            tensors.setdefault("model.embed_tokens.weight", lm_head)
+        for name, tensor in tensors.items():
+            if name not in state:
+                raise error(
+                    f"{source}: unknown weight {name!r}; expected Hugging Face names such as "
+                    f"{next(iter(state))!r} of this {type(self.model).__name__}."
+                )
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise error(
+                    f"{source}: weight {name!r} has shape {tuple(tensor.shape)}, the model "
+                    f"expects {tuple(state[name].shape)}; is it from a different model config?"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Write a Hugging Face model directory plus :data:`STATE_FILE`.
+
+        ``directory`` gets ``config.json``, ``generation_config.json``, ``model.safetensors``,
+        the tokenizer files, and ``rl_policy_state.pt`` with the version (and, if
+        ``with_optimizer``, the AdamW and scheduler states). ``AutoModelForCausalLM`` loads it as
+        is. The state file is written last.
+
+        The weights go to disk first, as a plain safetensors state dict in Hugging Face naming
+        (``model.safetensors``), before transformers converts anything: if ``save_pretrained``
+        fails (say, a config that does not serialise), the trained weights are still there.
+
+        Raises:
+            CheckpointError: transformers could not write the model directory; the message
+                names the weights file that was written and the cause.
+        """
+        from safetensors.torch import save_file
+
+        from rl_hf._hf import quiet_progress
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        raw = out / "model.safetensors"
+        weights = {n: t.detach().to("cpu").contiguous() for n, t in self.named_weights()}
+        save_file(weights, str(raw.with_suffix(".tmp")), metadata={"format": "pt"})
+        raw.with_suffix(".tmp").replace(raw)
+        # transformers writes into a side directory; its files replace the raw ones only once
+        # all of them are written.
+        hf_dir = out / ".hf-save"
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        try:
+            with quiet_progress():
+                self.model.save_pretrained(str(hf_dir))
+            self.tokenizer.save_pretrained(str(hf_dir))
+        except Exception as e:  # transformers raises TypeError, ValueError, OSError, ...
+            shutil.rmtree(hf_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"{out}: the weights are saved in {raw} (a plain safetensors state dict with "
+                f"Hugging Face names), but transformers failed to write the model directory: "
+                f"{type(e).__name__}: {e}. Fix the model's config.json / generation_config.json "
+                "so save_pretrained works, then load the weights with "
+                "safetensors.torch.load_file and save again."
+            ) from e
+        # Saved configs must load with stock transformers: name the public implementation.
+        cfg_path = hf_dir / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.get("_attn_implementation") or cfg.get("attn_implementation"):
+            cfg.pop("_attn_implementation", None)
+            cfg.pop("attn_implementation", None)
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        written = {f.name for f in hf_dir.iterdir()}
+        for f in sorted(hf_dir.iterdir()):
+            f.replace(out / f.name)
+        hf_dir.rmdir()
+        if raw.name not in written:  # transformers sharded the weights: its files replace ours
+            raw.unlink()
+        state: dict[str, Any] = {"format": 1, "version": self._version}
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.scheduler.state_dict()
+        tmp = out / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(out / STATE_FILE)
+
+    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Restore weights, version and (if ``with_optimizer``) optimizer state from :meth:`save`.
+
+        Raises:
+            CheckpointError: files are missing, a weight is missing or has the wrong shape, or
+                the optimizer state was asked for but not saved.
+        """
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        state_path = src / STATE_FILE
+        files = sorted(src.glob("*.safetensors"))
+        if not files or not state_path.is_file():
+            raise CheckpointError(
+                f"{src}: not a policy checkpoint (needs *.safetensors and {STATE_FILE}); write one "
+                "with HFPolicy.save."
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        expected = {n for n, _ in self.named_weights()}
+        missing = sorted(expected - set(tensors))
+        if missing:
+            raise CheckpointError(
+                f"{src}: weights {missing[:3]} missing from the checkpoint; was it saved from "
+                "a different model?"
+            )
+        state = torch.load(state_path, map_location=self.device, weights_only=True)
+        if with_optimizer and "optimizer" not in state:
+            raise CheckpointError(
+                f"{state_path}: saved without optimizer state; load with with_optimizer=False."
+            )
+        self._copy_in(tensors, error=CheckpointError, source=str(src))
+        if with_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._version = int(state["version"])
