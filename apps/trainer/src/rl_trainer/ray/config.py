@@ -100,7 +100,7 @@ def _check_model_ranks(config: Any) -> None:
     """The policy (and critic) must be able to use the policy ranks, in their layout."""
     rc = config.runtime
     pol = registry.resolve(registry.GROUPS["policy"], config.policy.type, field="policy.type")
-    if rc.policy.count > 1 and pol.__module__.startswith("rl_core.reference"):
+    if rc.policy.count > 1 and pol.__module__.startswith("rl_hf"):
         raise ConfigError(
             f"runtime.policy.count: {rc.policy.count} ranks, but policy.type={config.policy.type!r}"
             " trains in one process (no data or tensor parallelism). Use runtime.policy.count=1, "
@@ -108,7 +108,7 @@ def _check_model_ranks(config: Any) -> None:
         )
     if config.critic is not None and rc.policy.count > 1:
         crit = registry.resolve(registry.GROUPS["critic"], config.critic.type, field="critic.type")
-        if crit.__module__.startswith("rl_core.reference"):
+        if crit.__module__.startswith("rl_hf"):
             raise ConfigError(
                 f"critic.type: {config.critic.type!r} trains in one process, but the critic runs "
                 f"on the {rc.policy.count} policy ranks; use a parallel critic such as "
