@@ -26,6 +26,7 @@ from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import ConfigError
 from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_trainer.build import (
+    build_callable,
     build_task,
     component_name,
     config_fields,
@@ -107,8 +108,7 @@ def assemble(cfg: TrainerConfig) -> Components:
     filters: list[GuardedFilter] = []
     for i, spec in enumerate(cfg.rollout.filters):
         where = f"rollout.filters[{i}]"
-        fn = registry.build("filter", spec, field=where)
-        registry.check_callable(fn, GroupFilter, field=where, ref=spec.type)
+        fn = build_callable("filter", spec, GroupFilter, field=where)
         filters.append(GuardedFilter(fn, component_name(where, spec)))
     sampler = DynamicSampler(
         DynamicSampler.Config(
@@ -120,11 +120,8 @@ def assemble(cfg: TrainerConfig) -> Components:
     )
     generate_fn = None
     if cfg.rollout.generate_fn is not None:
-        generate_fn = registry.build(
-            "generate_fn", cfg.rollout.generate_fn, field="rollout.generate_fn"
-        )
-        registry.check_callable(
-            generate_fn, GenerateFn, field="rollout.generate_fn", ref=cfg.rollout.generate_fn.type
+        generate_fn = build_callable(
+            "generate_fn", cfg.rollout.generate_fn, GenerateFn, field="rollout.generate_fn"
         )
     if cfg.rl.partial_rollouts and not getattr(buffer, "supports_partial", False):
         raise ConfigError(
@@ -175,9 +172,8 @@ def _data_and_rewards(cfg: TrainerConfig, tokenizer: Any) -> tuple[Any, Scorer, 
     reward_name = component_name(reward_field, reward_spec)
     group_reward_fn = None
     if cfg.group_reward is not None:
-        group_reward_fn = registry.build("reward", cfg.group_reward, field="group_reward")
-        registry.check_callable(
-            group_reward_fn, GroupRewardFn, field="group_reward", ref=cfg.group_reward.type
+        group_reward_fn = build_callable(
+            "reward", cfg.group_reward, GroupRewardFn, field="group_reward"
         )
     scorer = Scorer(
         reward_fn,

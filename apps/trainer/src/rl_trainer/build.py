@@ -25,6 +25,7 @@ from rl_trainer.config import TrainerConfig
 __all__ = [
     "BACKENDS",
     "backend_spec",
+    "build_callable",
     "build_task",
     "component_name",
     "config_fields",
@@ -128,6 +129,14 @@ def data_specs(
     if train_spec is None:
         raise ConfigError("data.train: set a prompt source (or a built-in task).")
     return with_defaults("data_source", train_spec, seed=cfg.seed), eval_spec
+
+
+def build_callable(kind: str, spec: ComponentSpec, protocol: type, *, field: str) -> Any:
+    """Build a function seam (a reward, group reward, filter or ``generate_fn``) named by
+    ``spec`` and check now that it can be called the way the trainer calls ``protocol``
+    (:func:`rl_core.registry.check_callable`), so a wrong signature fails at start-up."""
+    fn = registry.build(kind, spec, field=field)
+    return registry.check_callable(fn, protocol, field=field, ref=spec.type)
 
 
 def component_name(field: str, spec: ComponentSpec | None) -> str:

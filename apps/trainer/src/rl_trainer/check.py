@@ -48,6 +48,7 @@ from rl_core.types import Group, Prompt, Rollout, RolloutStatus
 from rl_trainer.build import (
     BACKENDS,
     backend_spec,
+    build_callable,
     build_task,
     data_specs,
     load_tokenizer,
@@ -252,31 +253,21 @@ def _check_components(report: CheckReport, cfg: TrainerConfig, model_path: str) 
         _attempt(
             report,
             where,
-            lambda f=f, where=where: registry.check_callable(
-                registry.build("filter", f, field=where), GroupFilter, field=where, ref=f.type
-            ),
+            lambda f=f, where=where: build_callable("filter", f, GroupFilter, field=where),
         )
     if cfg.rollout.generate_fn is not None:
         _attempt(
             report,
             "rollout.generate_fn",
-            lambda: registry.check_callable(
-                registry.build("generate_fn", cfg.rollout.generate_fn, field="rollout.generate_fn"),
-                GenerateFn,
-                field="rollout.generate_fn",
-                ref=cfg.rollout.generate_fn.type,
+            lambda: build_callable(
+                "generate_fn", cfg.rollout.generate_fn, GenerateFn, field="rollout.generate_fn"
             ),
         )
     if cfg.group_reward is not None:
         _attempt(
             report,
             "group_reward",
-            lambda: registry.check_callable(
-                registry.build("reward", cfg.group_reward, field="group_reward"),
-                GroupRewardFn,
-                field="group_reward",
-                ref=cfg.group_reward.type,
-            ),
+            lambda: build_callable("reward", cfg.group_reward, GroupRewardFn, field="group_reward"),
         )
     from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss
 
@@ -312,11 +303,7 @@ def _check_components(report: CheckReport, cfg: TrainerConfig, model_path: str) 
 def _reward(report: CheckReport, spec: ComponentSpec, where: str) -> Any:
     """Build a reward function and check its signature; ``None`` (and a problem) on failure."""
 
-    def build() -> Any:
-        fn = registry.build("reward", spec, field=where)
-        return registry.check_callable(fn, RewardFn, field=where, ref=spec.type)
-
-    return _attempt(report, where, build)[1]
+    return _attempt(report, where, lambda: build_callable("reward", spec, RewardFn, field=where))[1]
 
 
 def _targets(report: CheckReport, cfg: TrainerConfig, data_dir: Path) -> list[_EvalTarget]:

@@ -22,6 +22,7 @@ from rl_core import registry
 from rl_core.evaluation import summarize_eval
 from rl_core.interfaces import DataSource, RewardFn, Tokenizer
 from rl_core.types import Group, Prompt, SamplingParams
+from rl_trainer.build import build_callable, component_name
 from rl_trainer.config import EvalConfig, SamplingConfig
 from rl_trainer.rollout import Scorer
 
@@ -119,9 +120,8 @@ def build_eval_sets(
         source = registry.build("data_source", ds.data, field=f"{where}.data", tokenizer=tokenizer)
         reward, reward_name = default_reward, default_reward_name
         if ds.reward is not None:
-            reward = registry.build("reward", ds.reward, field=f"{where}.reward")
-            registry.check_callable(reward, RewardFn, field=f"{where}.reward", ref=ds.reward.type)
-            reward_name = f"{where}.reward (type {ds.reward.type!r})"
+            reward = build_callable("reward", ds.reward, RewardFn, field=f"{where}.reward")
+            reward_name = component_name(f"{where}.reward", ds.reward)
         sets.append(
             EvalSet(
                 name=ds.name,
