@@ -33,13 +33,29 @@ def resume_request(
         request_id=request_id,
         input_ids=rollout.tokens,
         sampling=dataclasses.replace(sampling, max_new_tokens=left),
+        return_routing=rollout.routed_experts is not None,
     )
 
 
 def continue_rollout(rollout: Rollout, result: GenerationResult) -> Rollout:
     """``rollout`` extended by ``result``: its tokens and log-probs appended with loss mask 1,
-    versions set to ``result.weight_version``, and the status from its finish reason."""
+    versions set to ``result.weight_version``, and the status from its finish reason.
+
+    When the result carries routing it covers the whole sequence (the engine ran every earlier
+    token again on its current weights) and replaces the rollout's; a rollout that had routing
+    and a result without it is refused (the resumed tokens would have none)."""
     k = len(result.output_ids)
+    n = len(rollout.tokens) + k
+    routed = None
+    if result.routed_experts is not None:
+        from rl_core.routing import pad_routing
+
+        routed = pad_routing(result.routed_experts, n)
+    elif rollout.routed_experts is not None:
+        raise ValueError(
+            f"continue_rollout: rollout {rollout.sample_id} carries routed_experts but the "
+            "resumed generation returned none; resume it with resume_request (return_routing)."
+        )
     return dataclasses.replace(
         rollout,
         tokens=rollout.tokens + tuple(result.output_ids),
@@ -47,4 +63,5 @@ def continue_rollout(rollout: Rollout, result: GenerationResult) -> Rollout:
         rollout_logprobs=rollout.rollout_logprobs + tuple(float(x) for x in result.output_logprobs),
         versions=rollout.versions + (result.weight_version,) * k,
         status=result.finish_reason.to_status(),
+        routed_experts=routed,
     )

@@ -94,6 +94,13 @@ def pack_rollouts(
     )
     if loss_weights is None:
         loss_weights = mask_T / mask_T.sum().clamp(min=1.0)
+    routed = [r.routed_experts for r in rollouts]
+    if any(x is not None for x in routed) and not all(x is not None for x in routed):
+        missing = next(r.sample_id for r in rollouts if r.routed_experts is None)
+        raise ValueError(
+            f"pack_rollouts: rollout {missing} has no routed_experts but others in the batch do; "
+            "with routing replay every rollout of a step must carry its routing."
+        )
     return TrainBatch(
         tokens=tokens_T,
         cu_seqlens=cu_N1,
@@ -102,6 +109,7 @@ def pack_rollouts(
         advantages=adv_T,
         rollout_logprobs=rollout_logp_T,
         versions=versions_T,
+        routed_experts=torch.cat(routed) if routed[0] is not None else None,
         sample_ids=tuple(r.sample_id for r in rollouts),
         micro_batch_bounds=tuple(micro_batch_bounds),
     )

@@ -1,7 +1,8 @@
 """Prompts, rollouts and groups as plain data (lists, dicts, str, numbers).
 
 The result loads with ``torch.load(weights_only=True)`` and is JSON-serialisable when labels and
-metadata are. Used by buffer and sampler checkpoints, and by anything that ships groups
+metadata are and no rollout carries ``routed_experts`` (a tensor, kept as one: its compact
+integer dtype is the point of it). Used by buffer and sampler checkpoints, and by anything that ships groups
 between processes.
 """
 
@@ -59,6 +60,7 @@ def rollout_to_dict(r: Rollout) -> dict[str, Any]:
         "reward": r.reward,
         "reward_info": dict(r.reward_info),
         "metadata": r.metadata,
+        "routed_experts": r.routed_experts,
     }
 
 
@@ -77,6 +79,7 @@ def rollout_from_dict(d: Mapping[str, Any]) -> Rollout:
         reward=d["reward"],
         reward_info=dict(d["reward_info"]),
         metadata=dict(d["metadata"]),
+        routed_experts=d.get("routed_experts"),
     )
 
 

@@ -126,6 +126,10 @@ class GenerationRequest:
     """Prompt (or trajectory so far) as token ids ``[P]``."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling settings."""
+    return_routing: bool = False
+    """Ask the engine for the experts a mixture-of-experts model chose for every token
+    (:attr:`GenerationResult.routed_experts`); an engine that cannot record them raises
+    ``GeneratorError`` naming ``rollout.routing_replay``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,6 +146,9 @@ class GenerationResult:
     """Why generation ended."""
     weight_version: int
     """Version of the weights that sampled these tokens."""
+    routed_experts: torch.Tensor | None = None
+    """``[P + R, L, K]`` integer expert ids (:mod:`rl_core.routing`) for the input tokens and the
+    output tokens, when the request asked for them (``return_routing``); else ``None``."""
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
@@ -196,8 +203,18 @@ class Rollout:
     """All components returned by the reward function (the scalar is one of them)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form data (failure reason, tool calls, ...)."""
+    routed_experts: torch.Tensor | None = None
+    """``[len(tokens), L, K]`` expert ids the engine chose for every token (prompt included) of
+    a mixture-of-experts model, for routing replay (:mod:`rl_core.routing`); ``None`` when not
+    recorded."""
 
     def __post_init__(self) -> None:
+        if self.routed_experts is not None:
+            from rl_core.routing import validate_routing
+
+            validate_routing(
+                self.routed_experts, num_tokens=len(self.tokens), where=f"Rollout {self.sample_id}"
+            )
         r = len(self.tokens) - self.response_start
         if r < 0:
             raise ValueError(f"Rollout {self.sample_id}: response_start beyond the tokens.")
@@ -323,6 +340,9 @@ class TrainBatch:
     ``old_values[t]`` estimates the return from ``tokens[t]`` on, given ``tokens[<t]``."""
     returns: torch.Tensor | None = None
     """``[T]`` float32 critic targets (GAE returns; 0 off the mask)."""
+    routed_experts: torch.Tensor | None = None
+    """``[T, L, K]`` integer expert ids the engine chose for each token, for routing replay
+    (:mod:`rl_core.routing`); ``None`` when not recorded or not replayed."""
     sample_ids: tuple[str, ...] = ()
     """``[N]`` ``Rollout.sample_id`` of each sequence."""
     micro_batch_bounds: tuple[int, ...] = ()
@@ -357,6 +377,10 @@ class TrainBatch:
             v = getattr(self, name)
             if v is not None and v.shape != (t,):
                 raise ValueError(f"TrainBatch.{name}: shape {tuple(v.shape)}, expected ({t},).")
+        if self.routed_experts is not None:
+            from rl_core.routing import validate_routing
+
+            validate_routing(self.routed_experts, num_tokens=t, where="TrainBatch")
 
     @property
     def num_sequences(self) -> int:
@@ -397,6 +421,7 @@ class TrainBatch:
             versions=cut(self.versions),
             old_values=cut(self.old_values),
             returns=cut(self.returns),
+            routed_experts=cut(self.routed_experts),
             sample_ids=self.sample_ids[a:b],
             micro_batch_bounds=micro_batch_bounds,
         )
