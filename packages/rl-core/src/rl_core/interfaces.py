@@ -89,7 +89,16 @@ class Policy(abc.ABC):
 
     Versions: a freshly built or loaded policy has ``version`` 0 (or the loaded one); every
     ``train_step`` adds 1. Generators tag tokens with the version of the weights that sampled them.
+
+    Routing replay (mixture-of-experts models, :mod:`rl_core.routing`): when a batch carries
+    ``routed_experts``, a policy with ``supports_routing_replay`` makes every MoE layer use exactly
+    those experts in ``compute_logprobs`` and ``train_step``; a policy without it raises
+    ``ConfigError`` naming ``rollout.routing_replay``.
     """
+
+    supports_routing_replay: ClassVar[bool] = False
+    """Replays ``TrainBatch.routed_experts`` and reports its own routing in
+    ``LogProbOutput.routed_experts``."""
 
     @property
     @abc.abstractmethod
@@ -194,6 +203,9 @@ class Generator(abc.ABC):
     """``pause()``/``resume()`` hold new work without dropping what is in flight."""
     supports_memory_release: ClassVar[bool] = False
     """``release_memory()``/``resume_memory()`` free device memory for a colocated trainer."""
+    supports_routing: ClassVar[bool] = False
+    """Honours ``GenerationRequest.return_routing``: returns the experts a mixture-of-experts
+    model chose for every token in ``GenerationResult.routed_experts``."""
 
     @property
     @abc.abstractmethod

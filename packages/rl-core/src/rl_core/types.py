@@ -461,6 +461,11 @@ class LogProbOutput:
     """``[T]`` log-prob of each token given its prefix (0 at each sequence start)."""
     entropy: torch.Tensor | None = None
     """``[T]`` entropy of the predictive distribution that produced each token, when asked for."""
+    routed_experts: torch.Tensor | None = None
+    """``[T, L, K]`` the experts the policy's own router chose for each token (a mixture-of-experts
+    policy with ``supports_routing_replay``; ``None`` otherwise). With replay this is still the
+    router's own choice, so its difference from the batch's ``routed_experts`` is the routing
+    mismatch that replay removed."""
 
 
 @dataclass(slots=True, kw_only=True)
