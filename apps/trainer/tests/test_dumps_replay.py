@@ -1,0 +1,144 @@
+"""Rollout dumps, ``rl-train replay`` (bitwise the same weights) and ``rl-train rollout``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl_core.errors import ConfigError, DataError
+from rl_core.types import Group, Prompt, Rollout, RolloutStatus
+from rl_trainer import dumps
+from rl_trainer.cli import main
+
+REWARD = """
+def reward(prompt, response, rollout):
+    # varied within a group, so advantages and updates are not zero
+    return (sum(map(ord, response)) % 7) / 6
+"""
+
+
+@pytest.fixture(scope="module")
+def dumped_run(tmp_path_factory, tiny_recipe_dict):
+    """A 2-step run with dumps, sample traces every step and TensorBoard; returns its dir."""
+    root = tmp_path_factory.mktemp("dumped")
+    (root / "reward.py").write_text(REWARD)
+    recipe = tiny_recipe_dict(
+        root / "run",
+        reward={"type": f"{root / 'reward.py'}:reward"},
+        policy={"type": "hf", "lr": 0.01},
+        logging={"tensorboard": True, "progress": False, "samples_every": 1},
+    )
+    recipe["rollout"]["dump_dir"] = str(root / "run" / "dumps")
+    (root / "recipe.json").write_text(json.dumps(recipe))
+    assert main(["run", str(root / "recipe.json"), "--no-report"]) == 0
+    return root / "run"
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_dump_holds_every_step_and_round_trips(dumped_run):
+    d = dumped_run / "dumps"
+    assert dumps.dumped_steps(d) == [1, 2]
+    manifest = dumps.read_manifest(d)
+    assert manifest["version"] == dumps.FORMAT_VERSION and manifest["config"]["rl"]["steps"] == 2
+    step = dumps.load_step(d, 2)
+    assert step.header["policy_version"] == 1 and len(step.groups) == 2
+    assert "rollout/reward_mean" in step.round_metrics
+    assert step.staleness["rollout/staleness_mean"] == 0.0
+    for g, advs in zip(step.groups, step.advantages):
+        assert len(g.rollouts) == 2
+        for r, adv in zip(g.rollouts, advs):
+            assert len(adv) == len(r.loss_mask) == len(r.rollout_logprobs) == r.response_length
+            assert r.versions == (1,) * r.response_length
+            assert r.reward is not None and "reward" in r.reward_info
+        rewards = [r.reward for r in g.rollouts]
+        if rewards[0] != rewards[1]:  # GRPO: the better rollout gets the positive advantage
+            best = rewards.index(max(rewards))
+            assert advs[best][0] > 0 > advs[1 - best][0]
+    # The trained-on rollouts are those the metrics counted.
+    records = [json.loads(x) for x in (dumped_run / "metrics.jsonl").read_text().splitlines()]
+    assert records[2]["rollout/reward_mean"] == step.round_metrics["rollout/reward_mean"]
+
+
+def test_routing_round_trips_with_its_dtype(tmp_path):
+    prompt = Prompt(uid="p", input="x", token_ids=(1, 2), label={"a": [1]})
+    routed = torch.randint(0, 200, (5, 3, 2), dtype=torch.uint8)
+    r = Rollout(
+        prompt_uid="p",
+        rollout_id="p/0",
+        sample_id="p/0",
+        tokens=(1, 2, 3, 4, 5),
+        response_start=2,
+        loss_mask=(1, 0, 1),
+        rollout_logprobs=(-0.1, 0.0, -1 / 3),
+        versions=(4, 4, 5),
+        status=RolloutStatus.TRUNCATED,
+        reward=0.5,
+        reward_info={"reward": 0.5, "fmt": 1.0},
+        routed_experts=routed,
+    )
+    dumps.write_manifest(tmp_path, {})
+    dumps.write_step(tmp_path, 7, [Group(prompt=prompt, rollouts=[r])], advantages=[[None]])
+    back = dumps.load_step(tmp_path, 7).groups[0]
+    r2 = back.rollouts[0]
+    assert r2.routed_experts.dtype == torch.uint8 and torch.equal(r2.routed_experts, routed)
+    assert r2.rollout_logprobs == r.rollout_logprobs  # exact floats
+    assert (r2.status, r2.versions, r2.reward_info) == (r.status, r.versions, r.reward_info)
+    assert back.prompt.label == {"a": [1]}
+    with pytest.raises(DataError, match="step_000008.jsonl: not found.*steps 7..7"):
+        dumps.load_step(tmp_path, 8)
+
+
+def test_dump_refuses_unserialisable_labels_and_foreign_versions(tmp_path):
+    prompt = Prompt(uid="p", input="x", token_ids=(1,), label=object())
+    with pytest.raises(DataError, match="rollout.dump_dir: step 1, prompt p holds a object"):
+        dumps.write_step(tmp_path, 1, [Group(prompt=prompt, rollouts=[])])
+    (tmp_path / "dump.json").write_text(json.dumps({"format": dumps.FORMAT, "version": 99}))
+    with pytest.raises(DataError, match="version 99"):
+        dumps.read_manifest(tmp_path)
+
+
+def test_replay_gives_bitwise_the_same_weights(dumped_run, tmp_path):
+    out = tmp_path / "replayed"
+    assert main(["replay", str(dumped_run / "dumps"), "--set", f"run_dir={out}"]) == 0
+    original, replayed = _weights(dumped_run / "final_model"), _weights(out / "final_model")
+    init = _weights(dumped_run / "init_model")
+    assert original.keys() == replayed.keys()
+    assert any(not torch.equal(original[k], init[k]) for k in original)  # training moved them
+    for k in original:
+        assert torch.equal(original[k], replayed[k]), k
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    orig = [json.loads(x) for x in (dumped_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/loss"] for r in records if r["step"]] == [
+        r["train/loss"] for r in orig if r["step"]
+    ]
+
+
+def test_replay_errors_name_the_fix(dumped_run, tmp_path, capsys):
+    assert main(["replay", str(tmp_path)]) == 2
+    assert "dump.json: not found" in capsys.readouterr().err
+    from rl_trainer.replay import run_replay
+
+    with pytest.raises(ConfigError, match="rl.steps: 3, but .* holds 2 dumped steps"):
+        run_replay(dumped_run / "dumps", None, ["rl.steps=3", f"run_dir={tmp_path / 'x'}"])
+
+
+def test_rollout_only_generates_scores_and_dumps(tmp_path, tiny_recipe_dict):
+    recipe = tiny_recipe_dict(tmp_path / "gen", rl={"steps": 2})
+    recipe["rollout"]["dump_dir"] = str(tmp_path / "gen" / "dumps")
+    (tmp_path / "r.json").write_text(json.dumps(recipe))
+    assert main(["rollout", str(tmp_path / "r.json")]) == 0
+    assert dumps.dumped_steps(tmp_path / "gen" / "dumps") == [1, 2]
+    step = dumps.load_step(tmp_path / "gen" / "dumps", 2)
+    assert step.header["policy_version"] == 0
+    assert all(v == 0 for g in step.groups for r in g.rollouts for v in r.versions)
+    records = [json.loads(x) for x in (tmp_path / "gen" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["rollout", "rollout"]
+    assert all("train/loss" not in r for r in records)
+    assert not (tmp_path / "gen" / "final_model").exists()
