@@ -1,4 +1,5 @@
-"""Rollout dumps, ``rl-train replay`` (bitwise the same weights) and ``rl-train rollout``."""
+"""Operating a run: rollout dumps, `rl-train replay` (bitwise the same weights), `rl-train
+rollout`, `rl-train eval`, sample traces and `rl-train show`, report panels and comparison."""
 
 from __future__ import annotations
 
@@ -142,3 +143,38 @@ def test_rollout_only_generates_scores_and_dumps(tmp_path, tiny_recipe_dict):
     assert [r["phase"] for r in records] == ["rollout", "rollout"]
     assert all("train/loss" not in r for r in records)
     assert not (tmp_path / "gen" / "final_model").exists()
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_reproduces_the_runs_own_evaluations(dumped_run, capsys):
+    """Eval-only on the initial model gives the run's step-0 eval; on the last checkpoint it
+    gives the run's last eval (greedy eval: the same answers)."""
+    orig = [r for r in _records(dumped_run) if "eval/reward_mean" in r]
+    assert main(["eval", str(dumped_run / "init_model")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    first = {k: v for k, v in orig[0].items() if k.startswith("eval/")}
+    assert summary["metrics"] == first
+    saved = json.loads(Path(summary["out"]).read_text())
+    assert saved["metrics"] == first and saved["config"]["model"]["path"].endswith("init_model")
+    ckpt = next((dumped_run / "checkpoints").iterdir())
+    assert main(["eval", str(ckpt)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["step"] == 2
+    assert summary["metrics"] == {k: v for k, v in orig[-1].items() if k.startswith("eval/")}
+    eval_dir = dumped_run / "eval" / ckpt.name
+    assert Path(summary["out"]) == eval_dir / "eval.json"
+    (rec,) = _records(eval_dir)  # the metrics sink got the record too
+    assert (
+        rec["phase"] == "eval" and rec["eval/reward_mean"] == summary["metrics"]["eval/reward_mean"]
+    )
+
+
+def test_eval_errors_name_the_fix(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    assert "not a directory; pass a run's final_model" in capsys.readouterr().err
+    (tmp_path / "model").mkdir()
+    assert main(["eval", str(tmp_path / "model")]) == 2
+    assert "pass the recipe: rl-train eval CHECKPOINT RECIPE" in capsys.readouterr().err
