@@ -178,3 +178,17 @@ def test_eval_errors_name_the_fix(tmp_path, capsys):
     (tmp_path / "model").mkdir()
     assert main(["eval", str(tmp_path / "model")]) == 2
     assert "pass the recipe: rl-train eval CHECKPOINT RECIPE" in capsys.readouterr().err
+
+
+def test_wandb_sink_without_the_package_names_the_fix(monkeypatch, tmp_path, tiny_recipe_dict):
+    import sys
+
+    from rl_trainer.config import load_trainer_config
+    from rl_trainer.metrics import build_sinks
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    cfg = load_trainer_config(
+        tiny_recipe_dict(tmp_path, logging={"wandb": {"mode": "offline"}, "progress": False})
+    )
+    with pytest.raises(ConfigError, match=r"logging.wandb: .*pip install 'rl-trainer\[wandb\]'"):
+        build_sinks(cfg)
