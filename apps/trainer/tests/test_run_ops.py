@@ -192,3 +192,45 @@ def test_wandb_sink_without_the_package_names_the_fix(monkeypatch, tmp_path, tin
     )
     with pytest.raises(ConfigError, match=r"logging.wandb: .*pip install 'rl-trainer\[wandb\]'"):
         build_sinks(cfg)
+
+
+def test_sample_traces_match_the_dump_and_reach_tensorboard(dumped_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rl_trainer.samples import read_samples
+
+    lines = read_samples(dumped_run)
+    assert sorted({line["step"] for line in lines}) == [1, 2]
+    for line in read_samples(dumped_run, step=2):
+        dumped = dumps.load_step(dumped_run / "dumps", 2)
+        (i,) = [i for i, g in enumerate(dumped.groups) if g.prompt.uid == line["prompt_uid"]]
+        for r, rd, adv in zip(line["rollouts"], dumped.groups[i].rollouts, dumped.advantages[i]):
+            assert r["reward"] == rd.reward and r["advantage"] == pytest.approx(adv[0])
+            assert r["rollout_logprobs"] == list(rd.rollout_logprobs)
+            assert len(r["trainer_logprobs"]) == len(r["tokens"]) == rd.response_length
+            # On-policy, same weights in the engine and the trainer: numerics only.
+            assert r["mismatch_max"] < 1e-3
+    assert len(read_samples(dumped_run, step=1)) == 2  # logging.samples_groups default
+    ea = EventAccumulator(str(dumped_run / "tb"), size_guidance={"tensors": 0})
+    ea.Reload()
+    assert "samples/text_summary" in ea.Tags()["tensors"]
+    assert [e.step for e in ea.Tensors("samples/text_summary")] == [1, 2]
+
+
+def test_show_prints_a_step_readably(dumped_run, capsys):
+    import io
+
+    from rich.console import Console
+
+    from rl_trainer.samples import read_samples
+    from rl_trainer.show import show_samples
+
+    buf = io.StringIO()
+    assert show_samples(dumped_run, step=1, tokens=True, console=Console(file=buf, width=160)) == 1
+    text = buf.getvalue()
+    for line in read_samples(dumped_run, step=1):
+        assert f"prompt  {line['prompt']}" in text and f"label   {line['label']}" in text
+        assert text.count("rollout 0: tokens") == 2
+    assert "trainer logp" in text and "max |mismatch|" in text
+    assert main(["show", str(dumped_run), "--step", "9"]) == 2
+    assert "no trace of step 9; traced steps: 1, 2" in capsys.readouterr().err
