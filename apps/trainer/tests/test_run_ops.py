@@ -234,3 +234,47 @@ def test_show_prints_a_step_readably(dumped_run, capsys):
     assert "trainer logp" in text and "max |mismatch|" in text
     assert main(["show", str(dumped_run), "--step", "9"]) == 2
     assert "no trace of step 9; traced steps: 1, 2" in capsys.readouterr().err
+
+
+def test_report_has_step_time_staleness_and_mismatch_panels(dumped_run):
+    from rl_trainer.metrics import read_metrics
+    from rl_trainer.report import STEP_TIME, build_figure, write_report
+
+    records = read_metrics(dumped_run)
+    fig = build_figure({"run": records})
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    step_time = axes["Step time (s)"]
+    labels = step_time.get_legend_handles_labels()[1]
+    assert labels == [label for _, label in STEP_TIME] + ["step total"]
+    # The stack's top equals the parts' sum at each RL step.
+    (stack_top,) = [c for c in step_time.collections][-1:]
+    rl = [r for r in records if r["phase"] == "rl" and r["step"]]
+    tops = stack_top.get_paths()[0].vertices[:, 1].max()
+    assert tops == pytest.approx(
+        max(sum(r.get(k) or 0.0 for k, _ in STEP_TIME) for r in rl), rel=1e-6
+    )
+    assert "rollout/staleness_mean" in axes["Staleness (versions)"].get_legend_handles_labels()[1]
+    assert "train/mismatch" in axes["Log-prob mismatch"].get_legend_handles_labels()[1]
+    assert write_report(dumped_run).stat().st_size > 10_000
+
+
+def test_report_compares_two_runs_on_one_figure(dumped_run, tmp_path, capsys):
+    import shutil
+
+    from rl_trainer.metrics import read_metrics
+    from rl_trainer.report import build_figure
+
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(dumped_run / "metrics.jsonl", other / "metrics.jsonl")
+    fig = build_figure({"run": read_metrics(dumped_run), "other": read_metrics(other)})
+    reward = next(ax for ax in fig.axes if ax.get_title() == "Reward")
+    labels = reward.get_legend_handles_labels()[1]
+    assert "run: rollout/reward_mean" in labels and "other: rollout/reward_mean" in labels
+    colors = {line.get_label(): line.get_color() for line in reward.get_lines()}
+    assert colors["run: rollout/reward_mean"] != colors["other: rollout/reward_mean"]
+    out = tmp_path / "cmp.png"
+    assert main(["report", str(dumped_run), str(other), "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    assert main(["report", str(dumped_run), str(tmp_path / "missing")]) == 2
+    assert "missing/metrics.jsonl: not found" in capsys.readouterr().err
