@@ -11,7 +11,7 @@ PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
 EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test]" -e "packages/rl-agents[test]" \
              -e "packages/rl-buffer[parquet,datasets]" \
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
-             -e "apps/trainer[ray]"
+             -e "apps/trainer[ray,wandb]"
 
 .PHONY: setup sglang-env demo test lint format bench clean
 

@@ -3,7 +3,12 @@
 rl-train run demo                       # a bundled recipe by name
 rl-train run my_recipe.yaml --set rl.steps=50 --set rollout.n_samples=4
 rl-train run demo --resume              # continue from the newest checkpoint
-rl-train report runs/demo               # PNG plots of reward, loss and throughput
+rl-train report runs/demo               # PNG plots of reward, loss, step time, staleness
+rl-train report runs/a runs/b           # two runs compared on one figure
+rl-train rollout demo --set rollout.dump_dir=runs/gen/dumps   # rounds only, no training
+rl-train replay runs/demo/dumps         # train on a run's dumped groups (same weights)
+rl-train eval runs/demo/final_model     # the eval sets on any checkpoint (JSON + sinks)
+rl-train show runs/demo --step 10       # the sample traces of a step, readably
 rl-train recipes                        # list the bundled recipes
 rl-train new mytask                     # write a working task directory mytask/
 rl-train check mytask/recipe.yaml       # dry run: config, data, prompts, reward (seconds)
@@ -108,9 +113,53 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from rl_trainer.report import write_report
+    from rl_trainer.report import write_comparison, write_report
 
-    print(write_report(args.run_dir, args.out))
+    if len(args.run_dirs) == 1:
+        print(write_report(args.run_dirs[0], args.out))
+    else:
+        print(write_comparison(args.run_dirs, args.out))
+    return 0
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from rl_trainer.replay import run_rollout_only
+
+    records = run_rollout_only(recipe_path(args.recipe), args.set or [])
+    print(json.dumps({"rollout_steps": len(records)}))
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from rl_trainer.replay import run_replay
+
+    recipe = recipe_path(args.recipe) if args.recipe else None
+    trainer, _ = run_replay(args.dump_dir, recipe, args.set or [])
+    print(
+        json.dumps(
+            {
+                "run_dir": trainer.config.run_dir,
+                "rl_step": trainer.state["rl_step"],
+                "final_model": str(trainer.run_dir / "final_model"),
+            }
+        )
+    )
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rl_trainer.eval_only import run_eval
+
+    recipe = recipe_path(args.recipe) if args.recipe else None
+    result = run_eval(args.checkpoint, recipe, args.set or [], out=args.out)
+    print(json.dumps(result))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from rl_trainer.show import show_samples
+
+    show_samples(args.run_dir, step=args.step, tokens=args.tokens)
     return 0
 
 
@@ -156,10 +205,46 @@ def main(argv: list[str] | None = None) -> int:
         "--no-report", action="store_true", help="do not draw the PNG report at the end"
     )
     run.set_defaults(fn=_cmd_run)
-    rep = sub.add_parser("report", help="draw PNG plots of a run")
-    rep.add_argument("run_dir")
-    rep.add_argument("--out", default=None)
+    rep = sub.add_parser("report", help="draw PNG plots of a run, or compare runs on one figure")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--out", default=None, help="PNG path (default: in the first run dir)")
     rep.set_defaults(fn=_cmd_report)
+    rol = sub.add_parser(
+        "rollout",
+        help="rollout rounds only: generation, rewards, filters and dumps, no training",
+    )
+    rol.add_argument("recipe")
+    rol.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    rol.set_defaults(fn=_cmd_rollout)
+    rpl = sub.add_parser(
+        "replay",
+        help="train on a run's dumped groups instead of generating (bitwise the same weights)",
+    )
+    rpl.add_argument("dump_dir", help="a rollout.dump_dir of an earlier run")
+    rpl.add_argument("recipe", nargs="?", help="default: the config stored in the dump")
+    rpl.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    rpl.set_defaults(fn=_cmd_replay)
+    evl = sub.add_parser("eval", help="run the eval sets on a checkpoint; results to JSON")
+    evl.add_argument(
+        "checkpoint", help="a run's final_model, a checkpoints/step_N directory, or a model dir"
+    )
+    evl.add_argument("recipe", nargs="?", help="default: the config of the run it belongs to")
+    evl.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    evl.add_argument("--out", default=None, help="results JSON (default: CHECKPOINT/eval.json)")
+    evl.set_defaults(fn=_cmd_eval)
+    shw = sub.add_parser("show", help="print a run's sample traces (logging.samples_every)")
+    shw.add_argument("run_dir")
+    shw.add_argument("--step", type=int, default=None, help="RL step (default: the last traced)")
+    shw.add_argument(
+        "--tokens", action="store_true", help="also print each token with its log-probs"
+    )
+    shw.set_defaults(fn=_cmd_show)
     rec = sub.add_parser("recipes", help="list bundled recipes")
     rec.set_defaults(fn=_cmd_recipes)
     chk = sub.add_parser(

@@ -54,6 +54,7 @@ __all__ = [
     "SFTConfig",
     "SamplingConfig",
     "TrainerConfig",
+    "WandbConfig",
     "load_trainer_config",
 ]
 
@@ -132,6 +133,10 @@ class RolloutConfig:
     max_rounds: PositiveInt = 8
     """Generation rounds per step at most when filters drop groups (then the run stops with an
     error naming the filters)."""
+    dump_dir: str | None = None
+    """Write every RL step's trained groups (tokens, masks, log-probs, versions, rewards and
+    components, advantages, routing) here (:mod:`rl_trainer.dumps`), for ``rl-train show``,
+    ``rl-train replay`` and offline analysis; ``None``: no dumps."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -313,6 +318,24 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    """Weights & Biases sink (needs ``pip install 'rl-trainer[wandb]'``)."""
+
+    project: str = "rl-train"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B team or user; ``None``: your default entity."""
+    name: str | None = None
+    """The run's display name; ``None``: the last part of ``run_dir``."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """``offline`` writes the run under ``dir`` only (``wandb sync`` uploads it later)."""
+    dir: str | None = None
+    """Where W&B writes its files; ``None``: ``<run_dir>``."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     """Metrics outputs."""
 
@@ -320,6 +343,15 @@ class LoggingConfig:
     """Also write TensorBoard event files under ``<run_dir>/tb``."""
     progress: bool = True
     """Show a progress bar."""
+    samples_every: NonNegInt = 0
+    """Every N RL steps, write a few groups' decoded prompts, responses, rewards, advantages and
+    per-token log-prob mismatch to ``<run_dir>/samples.jsonl`` (and TensorBoard text, a W&B
+    table); ``rl-train show RUN --step N`` prints them. 0: never."""
+    samples_groups: PositiveInt = 2
+    """Groups per sample trace."""
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases (config, step metrics, sample tables, the report);
+    ``None``: off."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -48,7 +48,7 @@ from rl_trainer.checkpoint import latest_checkpoint
 from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import EvalSet
 from rl_trainer.failures import FailureLog
-from rl_trainer.metrics import MetricsLogger
+from rl_trainer.metrics import MetricsLogger, build_sinks
 from rl_trainer.phases import PHASES
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline
@@ -96,6 +96,9 @@ class Trainer:
         self.resume_lines: int | None = None
         self._resume_from: Path | None = None
         self.resume_state: dict[str, Any] = {}
+        self.replay: Any = None
+        """A :class:`~rl_trainer.replay.ReplaySource` when the rounds come from a dump
+        (``rl-train replay``), else ``None``."""
         self.stopped_by: int | None = None
         """The signal that stopped the run before its last step (``None``: it ran to the end)."""
         self.stop_checkpoint: Path | None = None
@@ -168,6 +171,7 @@ class Trainer:
             progress=cfg.logging.progress,
             phase_steps={"sft": cfg.sft.steps, "rl": cfg.rl.steps},
             resume_lines=self.resume_lines,
+            sinks=build_sinks(cfg),
         )
         self._records = []
         self._t_start = time.perf_counter()
@@ -206,6 +210,12 @@ class Trainer:
         rec["perf/elapsed_s"] = time.perf_counter() - self._t_start  # wall time of this process
         self._records.append(rec)
         self._metrics.log(rec, global_step=self.state["sft_step"] + self.state["rl_step"])
+
+    def log_samples(self, step: int, lines: list[dict[str, Any]]) -> None:
+        """Write sample trace ``lines`` of RL step ``step`` (:mod:`rl_trainer.samples`)."""
+        if self._metrics is None:
+            raise RLError("Trainer.log_samples: call it from a phase, inside Trainer.run().")
+        self._metrics.log_samples(lines, global_step=self.state["sft_step"] + step)
 
     def checkpoint_due(self) -> bool:
         """Whether the schedule (``checkpoint.every``) writes a checkpoint at the current step."""

@@ -1,4 +1,7 @@
-"""Metrics sinks: ``<run_dir>/metrics.jsonl`` (one object per step), TensorBoard, a progress bar.
+"""Metrics sinks: ``<run_dir>/metrics.jsonl`` (one object per step), TensorBoard, a progress bar,
+and any extra :class:`MetricsSink` (Weights & Biases: :mod:`rl_trainer.wandb_sink`). Sample
+traces (:mod:`rl_trainer.samples`) go to ``<run_dir>/samples.jsonl``, TensorBoard text and the
+extra sinks.
 
 Metric names are stable: ``rollout/*``, ``train/*``, ``perf/*``, ``eval/*``; every record has
 ``step`` (the phase's step) and ``phase`` (``"sft"`` or ``"rl"``). The RL phase also writes a
@@ -15,11 +18,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["PROGRESS_REFRESH_PER_S", "MetricsLogger", "count_steps", "read_metrics"]
+__all__ = [
+    "PROGRESS_REFRESH_PER_S",
+    "MetricsLogger",
+    "MetricsSink",
+    "build_sinks",
+    "count_steps",
+    "read_metrics",
+    "samples_markdown",
+]
 
 PROGRESS_REFRESH_PER_S = 1.0
 """Progress-bar redraws per second (rich's default is 10)."""
@@ -31,12 +42,54 @@ def _clean(v: Any) -> Any:
     return v
 
 
+class MetricsSink(Protocol):
+    """Somewhere else step records and sample traces go (W&B, MLflow, ...)."""
+
+    def log(self, record: Mapping[str, Any], *, step: int) -> None:
+        """Log one step's record (non-finite floats already ``None``) at global ``step``."""
+
+    def log_samples(self, lines: Sequence[Mapping[str, Any]], *, step: int) -> None:
+        """Log the sample trace lines of global ``step`` (:mod:`rl_trainer.samples`)."""
+
+    def close(self) -> None:
+        """Flush and finish."""
+
+
+def build_sinks(config: Any) -> list[MetricsSink]:
+    """The extra sinks a :class:`~rl_trainer.config.TrainerConfig` asks for
+    (``logging.wandb``)."""
+    sinks: list[MetricsSink] = []
+    if config.logging.wandb is not None:
+        from rl_trainer.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(config.logging.wandb, config=config))
+    return sinks
+
+
+def samples_markdown(lines: Sequence[Mapping[str, Any]]) -> str:
+    """Sample trace lines as a Markdown table (TensorBoard text)."""
+    rows = ["| prompt | response | reward | advantage | max mismatch |", "|---|---|---|---|---|"]
+
+    def cell(x: Any) -> str:
+        text = f"{x:.4g}" if isinstance(x, float) else str(x)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    for g in lines:
+        for r in g["rollouts"]:
+            rows.append(
+                f"| {cell(g['prompt'])} | {cell(r['response'])} | {cell(r['reward'])} | "
+                f"{cell(r['advantage'])} | {cell(r['mismatch_max'])} |"
+            )
+    return "\n".join(rows)
+
+
 class MetricsLogger:
-    """Appends step records to JSONL and TensorBoard; shows progress with rich.
+    """Appends step records to JSONL and TensorBoard (and ``sinks``); shows progress with rich.
 
     ``phase_steps`` gives each phase's step count (``{"sft": 30, "rl": 200}``); phases with 0
     steps get no progress line. ``resume_lines``: keep the first that many lines of an existing
-    ``metrics.jsonl`` (a resumed run) instead of starting it afresh (``None``).
+    ``metrics.jsonl`` (a resumed run) instead of starting it afresh (``None``; a fresh run also
+    starts ``samples.jsonl`` afresh).
     """
 
     def __init__(
@@ -47,9 +100,14 @@ class MetricsLogger:
         progress: bool,
         phase_steps: Mapping[str, int],
         resume_lines: int | None,
+        sinks: Sequence[MetricsSink] = (),
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
+        self.sinks = list(sinks)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_lines is None and self.samples_path.exists():
+            self.samples_path.unlink()
         kept: list[str] = []
         if resume_lines is not None and self.path.exists():
             # Drop records written after the checkpoint we resume from.
@@ -101,6 +159,8 @@ class MetricsLogger:
                     and "/" in k
                 ):
                     self._tb.add_scalar(k, v, global_step)
+        for sink in self.sinks:
+            sink.log(record, step=global_step)
         task = self._tasks.get(str(record.get("phase")))
         if self._progress is not None and task is not None:
             info = []
@@ -116,11 +176,24 @@ class MetricsLogger:
             # No redraw here: the refresh thread draws the latest state.
             self._progress.update(task, completed=int(record["step"]), info="  ".join(info))
 
+    def log_samples(self, lines: Sequence[Mapping[str, Any]], *, global_step: int) -> None:
+        """Append sample trace ``lines`` to ``samples.jsonl``, TensorBoard text (``samples``)
+        and the sinks."""
+        with self.samples_path.open("a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+        if self._tb is not None:
+            self._tb.add_text("samples", samples_markdown(lines), global_step)
+        for sink in self.sinks:
+            sink.log_samples(lines, step=global_step)
+
     def close(self) -> None:
         """Flush and close the sinks."""
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
         if self._progress is not None:
             self._progress.stop()
 

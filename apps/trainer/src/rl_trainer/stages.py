@@ -95,7 +95,10 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
 
     User code that fails (reward, group reward, ``generate_fn``, filters) is counted in
     ``rollout/failed/<reason>`` and logged once per reason with its first cause; when every
-    rollout of a round failed, the run stops at once with that report."""
+    rollout of a round failed, the run stops at once with that report. In ``rl-train replay``
+    the round's groups come from the dump instead (:mod:`rl_trainer.replay`)."""
+    if run.replay is not None:
+        return run.replay.produce_round(run, step)
     cfg, parts = run.config.rollout, run.parts
     sampler = parts.sampler
     stats = RolloutStats()

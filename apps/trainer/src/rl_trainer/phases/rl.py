@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_trainer import stages
+from rl_trainer import samples, stages
 from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline, Weights
@@ -129,6 +129,7 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
         version=trainer.policy.version,
         max_staleness=cfg.rl.max_staleness,
     )
+    samples.after_take(trainer, step, groups, round_metrics, staleness)  # dumps, traces
     record: dict[str, Any] = {"step": step, "phase": "rl", **round_metrics, **staleness}
     if trainer.pipeline is None:
         record.update(stages.train(trainer, groups))
