@@ -101,3 +101,30 @@ def test_offload_policy_needs_the_colocated_synchronous_loop(tmp_path, tiny_reci
     recipe["rl"]["async_generation"] = True
     with pytest.raises(ConfigError, match="synchronous loop"):
         load_trainer_config(recipe)
+
+
+@pytest.mark.gpu
+def test_colocated_on_cuda_frees_the_policy_state(tmp_path, tiny_recipe_dict) -> None:
+    """GPU: policy, reference and generator on CUDA in one process. ``memory/<phase>_bytes`` is
+    ``torch.cuda.memory_allocated``: while the generator works (generate, resume, load) it is
+    below the training phases by at least the policy's and reference's weights plus the
+    policy's Adam moments, and it does not grow from step 2 on."""
+    recipe = _recipe(
+        tiny_recipe_dict,
+        tmp_path,
+        offload=True,
+        steps=6,
+        policy={"type": "hf", "device": "cuda"},
+        generator={"type": "hf", "device": "cuda"},
+    )
+    records = Trainer(load_trainer_config(recipe)).run()
+    steps = [r for r in records if r["phase"] == "rl" and "memory/train_bytes" in r]
+    assert len(steps) == 6
+    params = sum(
+        t.numel() * t.element_size()
+        for t in load_file(str(tmp_path / "final_model" / "model.safetensors")).values()
+    )
+    for r in steps[1:]:
+        assert r["memory/onload_bytes"] - r["memory/generate_bytes"] >= 3 * params, r
+        assert r["memory/load_bytes"] == steps[1]["memory/load_bytes"], r["step"]
+        assert r["memory/generate_bytes"] == steps[1]["memory/generate_bytes"], r["step"]
