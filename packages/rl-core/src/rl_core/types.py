@@ -395,12 +395,14 @@ class TrainBatch:
     def seq_index(self) -> torch.Tensor:
         """``[T]`` int64 index of the sequence each token belongs to."""
         lengths_N = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        return torch.repeat_interleave(torch.arange(self.num_sequences), lengths_N)
+        return torch.repeat_interleave(
+            torch.arange(self.num_sequences, device=lengths_N.device), lengths_N
+        )
 
     def position_ids(self) -> torch.Tensor:
         """``[T]`` int64 position of each token inside its own sequence."""
         starts_T = self.cu_seqlens[:-1][self.seq_index()]
-        return torch.arange(self.num_tokens) - starts_T
+        return torch.arange(self.num_tokens, device=starts_T.device) - starts_T
 
     def _sequences(self, a: int, b: int, micro_batch_bounds: tuple[int, ...] = ()) -> TrainBatch:
         """Sequences ``a..b`` as a self-contained batch (per-token tensors cut, offsets rebased)."""

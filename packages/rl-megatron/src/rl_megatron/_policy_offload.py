@@ -53,6 +53,7 @@ class OffloadMixin:
 
     module: Any
     model: Any
+    _device: Any
     optimizer: Any
     config: Any
 
@@ -101,7 +102,7 @@ class OffloadMixin:
         for name, param in self.module.named_parameters():
             yield "grads", f"{name}.main_grad", getattr(param, "main_grad", None)
             yield "grads", f"{name}.grad", param.grad
-        device = next(self.module.parameters()).device.type
+        device = self._device().type  # not the parameters': they are host tensors when offloaded
         for k, inner in enumerate(_inner_optimizers(self.optimizer)):
             for g, group in enumerate(inner.param_groups):
                 for j, param in enumerate(group["params"]):
