@@ -106,9 +106,9 @@ def test_offload_policy_needs_the_colocated_synchronous_loop(tmp_path, tiny_reci
 @pytest.mark.gpu
 def test_colocated_on_cuda_frees_the_policy_state(tmp_path, tiny_recipe_dict) -> None:
     """GPU: policy, reference and generator on CUDA in one process. ``memory/<phase>_bytes`` is
-    ``torch.cuda.memory_allocated``: while the generator works (generate, resume, load) it is
-    below the training phases by at least the policy's and reference's weights plus the
-    policy's Adam moments, and it does not grow from step 2 on."""
+    ``torch.cuda.memory_allocated``: the offload phase frees at least the policy's weights and
+    Adam moments, and the memory while the generator works (generate, load) does not grow
+    from step 2 on."""
     recipe = _recipe(
         tiny_recipe_dict,
         tmp_path,
@@ -125,6 +125,6 @@ def test_colocated_on_cuda_frees_the_policy_state(tmp_path, tiny_recipe_dict) ->
         for t in load_file(str(tmp_path / "final_model" / "model.safetensors")).values()
     )
     for r in steps[1:]:
-        assert r["memory/onload_bytes"] - r["memory/generate_bytes"] >= 3 * params, r
+        assert r["memory/publish_bytes"] - r["memory/offload_bytes"] >= 3 * params, r
         assert r["memory/load_bytes"] == steps[1]["memory/load_bytes"], r["step"]
         assert r["memory/generate_bytes"] == steps[1]["memory/generate_bytes"], r["step"]

@@ -116,6 +116,10 @@ def test_cuda_memory_drops_to_the_bound(model_dir: Path, device: str) -> None:
     """On CUDA, ``memory_allocated`` after ``offload`` drops by the bytes moved (to what stayed:
     nothing tracked), and comes back after ``onload``. On CPU the same is checked through the
     storages' sizes."""
+    if device == "cuda":  # what other tests left, and cuBLAS's workspace (a first matmul)
+        torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
     policy = _policy(model_dir, device)
     policy.train_step(_batch(policy, 2), sft_loss)
     if device == "cuda":
@@ -125,7 +129,8 @@ def test_cuda_memory_drops_to_the_bound(model_dir: Path, device: str) -> None:
         after = torch.cuda.memory_allocated()
         moved = sum(policy.offloader.moved_bytes.values())
         assert on_device - after >= moved  # every moved byte was freed
-        assert after <= 4096, after  # nothing of the policy's state is left on the GPU
+        # nothing of the policy's state is left on the GPU (slack: 4 KiB of small blocks)
+        assert after - baseline <= 4096, (after, baseline)
         policy.onload()
         assert torch.cuda.memory_allocated() >= on_device
     else:
@@ -177,9 +182,9 @@ def test_critic_offload_moves_the_value_head(model_dir: Path, device: str) -> No
     assert any(name.startswith("extra.") for name in (k.split(":", 1)[1] for k in before))
     critic.offload()
     assert critic.resident_storages() == []
-    assert critic.value_head.weight.untyped_storage().data_ptr() in {
-        b.untyped_storage().data_ptr() for b in critic.offloader._host.values()
-    }
+    head = critic.value_head.weight.untyped_storage()  # freed in place or moved to the host
+    hosts = {b.untyped_storage().data_ptr() for b in critic.offloader._host.values()}
+    assert head.nbytes() == 0 or head.data_ptr() in hosts
     critic.onload()
     _assert_bitwise(before, _state(critic))
     assert critic.value_head.weight.device.type == device

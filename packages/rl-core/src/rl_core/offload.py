@@ -12,9 +12,8 @@ flat parameters::
     offloader.onload()              # same storages, same bytes
 
 ``offload`` copies each distinct storage once into a host buffer (pinned on CUDA, reused
-across cycles), points every tracked tensor's ``.data`` at its place in that buffer, and frees
-the device storage in place with ``untyped_storage().resize_(0)``. ``onload`` resizes the same
-storage back, copies the bytes in, and points the tracked tensors at it again. Because the
+across cycles) and frees the device storage in place with ``untyped_storage().resize_(0)``.
+``onload`` resizes the same storage back and copies the bytes in. Because the
 storage object survives, views the offloader does not know about (Megatron's ``main_grad``
 views into its gradient buffer, tied weights, a transport's detached views) are valid again
 after ``onload``; *between* the two calls only the tracked tensors may be used (they read the
@@ -153,8 +152,12 @@ class StorageOffloader:
                 continue
             key = (str(storage.device), storage.data_ptr())
             if key not in by_storage:
-                if not self.config.enabled(kind):
-                    by_storage[key] = None  # the first kind to name a storage decides
+                if not self.config.enabled(kind) or (
+                    storage.device.type != "cpu" and not storage.resizable()
+                ):
+                    # The first kind to name a storage decides; a device storage that cannot
+                    # be resized (imported through DLPack, say) stays where it is.
+                    by_storage[key] = None
                     continue
                 host = self._host_buffer(name, storage)
                 used.add(name)
@@ -180,9 +183,16 @@ class StorageOffloader:
         self.moved_bytes = {}
         for e in self._entries:
             self.moved_bytes[e.kind] = self.moved_bytes.get(e.kind, 0) + e.nbytes
-            host_storage = e.host.untyped_storage()
-            for tensor, dtype, offset, size, stride in e.aliases:
-                tensor.data = _view(host_storage, e.host.device, dtype, offset, size, stride)
+            if e.device.type == "cpu":
+                # The "device" is the host: the tensors read the host copy meanwhile (never
+                # a freed storage). On an accelerator they keep their device: assigning a
+                # host tensor to a parameter's .data would drop its gradient accumulator and
+                # the hooks on it (Megatron's DDP accumulates into main_grad through them).
+                host_storage = e.host.untyped_storage()
+                for tensor, dtype, offset, size, stride in e.aliases:
+                    tensor.data = _view(host_storage, e.host.device, dtype, offset, size, stride)
+            else:
+                e.aliases.clear()
             assert e.storage is not None
             if e.storage.resizable():
                 e.storage.resize_(0)
