@@ -126,5 +126,8 @@ def test_colocated_on_cuda_frees_the_policy_state(tmp_path, tiny_recipe_dict) ->
     )
     for r in steps[1:]:
         assert r["memory/publish_bytes"] - r["memory/offload_bytes"] >= 3 * params, r
-        assert r["memory/load_bytes"] == steps[1]["memory/load_bytes"], r["step"]
-        assert r["memory/generate_bytes"] == steps[1]["memory/generate_bytes"], r["step"]
+        # No growth: a leaked copy of the policy's weights per step would add >= params bytes;
+        # the generator's own transients (KV cache of responses of varying length) are ~1 KB.
+        for p in ("generate", "load"):
+            grown = r[f"memory/{p}_bytes"] - steps[1][f"memory/{p}_bytes"]
+            assert grown < params // 2, (r["step"], p, grown)
