@@ -68,8 +68,8 @@ class OffloadConfig:
     """Host copies of CUDA storages are page-locked (faster copies; they stay allocated across
     cycles so the pinning cost is paid once)."""
     empty_cache: bool = True
-    """After freeing, return the CUDA caching allocator's free blocks to the driver so another
-    process (the colocated SGLang server) can use them."""
+    """After freeing, drop cuBLAS's workspaces and return the CUDA caching allocator's free
+    blocks to the driver so another process (the colocated SGLang server) can use them."""
 
     def enabled(self, kind: OffloadKind) -> bool:
         """Whether tensors of ``kind`` are moved."""
@@ -264,4 +264,9 @@ class StorageOffloader:
 
     def _empty_cache(self) -> None:
         if self.config.empty_cache and any(e.device.type == "cuda" for e in self._entries):
+            # cuBLAS/cuBLASLt keep per-handle workspaces (32 MiB + 1 MiB on an H100) live in
+            # the caching allocator after the first matmul; they are re-created on the next.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
