@@ -132,8 +132,8 @@ def test_cuda_memory_drops_to_the_bound(model_dir: Path, device: str) -> None:
         # nothing of the policy's state is left on the GPU (slack: 4 KiB of small blocks)
         assert after - baseline <= 4096, (after, baseline)
         assert after <= baseline  # cuBLAS's workspaces are dropped too
-        policy.onload()
-        assert torch.cuda.memory_allocated() >= on_device
+        policy.onload()  # every moved byte is back (cuBLAS re-creates its workspace lazily)
+        assert torch.cuda.memory_allocated() - after >= moved
     else:
         tracked = sum(s.nbytes for s in policy.resident_storages())
         policy.offload()
