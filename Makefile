@@ -13,7 +13,7 @@ EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test]" -e 
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"
 
-.PHONY: setup sglang-env demo test lint format bench clean
+.PHONY: setup sglang-env demo test test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,12 @@ demo: setup
 test: setup sglang-env
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# Every `gpu`-marked test, on a machine with CUDA; without CUDA one line and exit 0. No .venv is
+# needed: `make test-gpu PYTHON_GPU=python3` uses that interpreter, wheels carried in .whl/
+# (scripts/gpu_wheels.sh) and the sources via PYTHONPATH (README, "Test tiers").
+test-gpu:
+	@PYTHON_GPU="$(PYTHON_GPU)" bash scripts/test_gpu.sh
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -44,6 +44,8 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class TestHFPolicyQwen2(PolicyConformance):
+    supports_offload = True
+
     @pytest.fixture
     def policy(self, qwen_dir: Path) -> HFPolicy:
         return HFPolicy(HFPolicy.Config(model_path=str(qwen_dir), lr=LR))

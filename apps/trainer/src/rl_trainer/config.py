@@ -397,6 +397,12 @@ class RuntimeConfig:
     release_generator_memory: bool = True
     """Colocated layout, synchronous loop: release generator memory around training (skipped
     when the generator backend has no ``supports_memory_release``)."""
+    offload_policy: bool = False
+    """Colocated layout, synchronous loop: keep the policy (critic, reference) offloaded while
+    the generator runs; each step runs generate -> release generator memory -> onload -> train
+    -> publish -> offload -> resume generator memory -> load weights and records
+    ``memory/<phase>_bytes`` (see :mod:`rl_trainer.offload`). What moves is the policy's
+    ``offload`` setting. On the ``local`` runtime ``layout: colocated`` is the one process."""
     generate_timeout_s: PositiveFloat = 300.0
     """A generator call running longer than this counts as hung: the engine is killed, its
     requests retried on the others, and it is restarted and re-synced."""
@@ -522,6 +528,14 @@ def load_trainer_config(
         raise ConfigError(
             "buffer.max_staleness: the trainer bounds staleness itself; set rl.max_staleness "
             "instead and remove buffer.max_staleness."
+        )
+    if cfg.runtime.offload_policy and (
+        cfg.runtime.layout != "colocated" or cfg.rl.async_generation
+    ):
+        raise ConfigError(
+            "runtime.offload_policy: the colocated hand-over needs runtime.layout: colocated "
+            f"and the synchronous loop (got layout {cfg.runtime.layout!r}, rl.async_generation "
+            f"{cfg.rl.async_generation}); set both or turn offload_policy off."
         )
     _check_light_components(cfg)
     return cfg

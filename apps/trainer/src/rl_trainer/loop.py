@@ -49,6 +49,7 @@ from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import EvalSet
 from rl_trainer.failures import FailureLog
 from rl_trainer.metrics import MetricsLogger, build_sinks
+from rl_trainer.offload import Handover, onloaded
 from rl_trainer.phases import PHASES
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline
@@ -89,6 +90,8 @@ class Trainer:
         self.receiver: Any = None
         self.state: dict[str, Any] = {"sft_step": 0, "rl_step": 0, "eval_at_0": False}
         """Step counters: ``sft_step``, ``rl_step`` and whether step 0 was evaluated."""
+        self.handover: Handover | None = None
+        """The colocated hand-over of device memory (:mod:`rl_trainer.offload`), RL phase."""
         self.pipeline: RolloutPipeline | None = None
         self.train_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.first_version = 0
@@ -226,7 +229,8 @@ class Trainer:
         """Write a checkpoint of the current step (:func:`rl_trainer.state.save`)."""
         if self._metrics is None:
             raise RLError("Trainer.save: call it from a phase, inside Trainer.run().")
-        trainer_state.save(self, self._metrics.lines)
+        with onloaded(self):
+            trainer_state.save(self, self._metrics.lines)
 
     @property
     def stop_requested(self) -> bool:

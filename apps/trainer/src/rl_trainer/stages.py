@@ -46,10 +46,12 @@ if TYPE_CHECKING:
 __all__ = [
     "advantages",
     "generate",
+    "load_update",
     "plan",
     "plan_and_pack",
     "produce_round",
     "publish",
+    "publish_only",
     "rl_batch",
     "round_metrics",
     "serve",
@@ -371,18 +373,27 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- publish
-async def publish(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Publish ``weights`` as ``version`` and have the generator load them (checked)."""
+def publish_only(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+    """Publish ``weights`` as ``version`` through the weight transport; the update to load
+    (the colocated hand-over loads it only after the generator has its memory back)."""
     if run.runtime is not None:  # ray: policy rank 0 publishes what it holds
-        update = run.runtime.publish(version, weights)
-    else:
-        update = run.transport.publish(version, weights)
+        return run.runtime.publish(version, weights)
+    return run.transport.publish(version, weights)
+
+
+async def load_update(run: Trainer, version: int, update: Any) -> None:
+    """Have the generator load a published ``update`` of ``version`` (checked)."""
     await run.generator.update_weights(update, run.receiver)
     if run.generator.weight_version != version:
         raise RLError(
             f"generator serves version {run.generator.weight_version} after an update to "
             f"{version}; the weight transport did not apply it."
         )
+
+
+async def publish(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Publish ``weights`` as ``version`` and have the generator load them (checked)."""
+    await load_update(run, version, publish_only(run, version, weights))
 
 
 async def sync_weights(run: Trainer) -> float:

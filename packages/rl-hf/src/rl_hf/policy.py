@@ -27,7 +27,7 @@ import math
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -36,7 +36,9 @@ import torch
 from rl_core.config import OptimizerConfig, PositiveFloat, Seed
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
+from rl_core.offload import OffloadConfig
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_hf._offload import OffloadMixin
 
 __all__ = ["HFPolicy", "token_logprobs"]
 
@@ -91,7 +93,7 @@ def token_logprobs(
     return logp_T, entropy_T
 
 
-class HFPolicy(Policy):
+class HFPolicy(OffloadMixin, Policy):
     """A trainable Hugging Face causal LM (``AutoModelForCausalLM``) on one device.
 
     Forward passes are padding-free: each micro-batch runs as one row of ``T`` packed tokens with
@@ -120,6 +122,8 @@ class HFPolicy(Policy):
         seed: Seed = 0
         """Seeds the (private) RNG of each ``train_step`` as ``seed + version``; with dropout
         off nothing random runs today, but stochastic layers stay reproducible."""
+        offload: OffloadConfig = field(default_factory=OffloadConfig)
+        """What ``offload()`` moves off the device (weights, grads, optimizer state)."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -136,8 +140,9 @@ class HFPolicy(Policy):
                     "'eager'."
                 )
 
-    supports_offload: ClassVar[bool] = False
-    """``offload``/``onload`` are no-ops (the model lives on one device)."""
+    supports_offload: ClassVar[bool] = True
+    """``offload``/``onload`` move weights, gradients and AdamW state to host memory and back
+    bitwise (:mod:`rl_hf._offload`)."""
 
     def __init__(self, config: Config) -> None:
         """Load the model and tokenizer from ``config.model_path`` and build the optimizer.

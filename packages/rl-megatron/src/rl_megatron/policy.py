@@ -47,11 +47,13 @@ import torch
 from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, PositiveInt, Seed
 from rl_core.errors import ConfigError
 from rl_core.interfaces import LossFn, Policy
+from rl_core.offload import OffloadConfig
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
 from rl_megatron._policy_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT  # re-export
 from rl_megatron._policy_checkpoint import OPTIM_DIR as OPTIM_DIR  # re-export
 from rl_megatron._policy_checkpoint import STATE_FILE as STATE_FILE  # re-export
 from rl_megatron._policy_checkpoint import _CheckpointMixin
+from rl_megatron._policy_offload import OffloadMixin
 from rl_megatron._policy_pipeline import _PipelineMixin, _to_device
 from rl_megatron._policy_weights import _WeightsMixin
 from rl_megatron.convert import (
@@ -68,7 +70,7 @@ __all__ = ["MegatronPolicy"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
+class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMixin, Policy):
     """A trainable Llama / Qwen2 / Qwen3 causal LM on megatron-core (see the module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
@@ -101,6 +103,8 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         Architecture fields come from ``config.json`` and are refused here."""
         seed: Seed = 0
         """Seed of Megatron's model-parallel RNG tracker."""
+        offload: OffloadConfig = field(default_factory=OffloadConfig)
+        """What ``offload()`` moves off the device (weights, grad buffers, optimizer state)."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -128,8 +132,10 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
                     f"got {type(self.megatron_args).__name__}."
                 )
 
-    supports_offload: ClassVar[bool] = False
-    """``offload``/``onload`` are no-ops in this version."""
+    supports_offload: ClassVar[bool] = True
+    """``offload``/``onload`` move this rank's weights, gradient buffers and optimizer state
+    (fp32 master weights and Adam moments, sharded or not) to host memory and back bitwise
+    (:mod:`rl_megatron._policy_offload`)."""
 
     def __init__(self, config: Config) -> None:
         """Initialise the process groups, build the model from ``config.model_path``, load its

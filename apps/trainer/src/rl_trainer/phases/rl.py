@@ -22,6 +22,7 @@ import torch
 from rl_core.errors import ConfigError, RLError
 from rl_trainer import samples, stages
 from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
+from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.state import load_resumed_models
@@ -65,6 +66,7 @@ async def run(trainer: Trainer) -> bool:
             return True
         if trainer.pipeline is not None:
             await trainer.pipeline.release(trainer.policy.version, _weights_copy(trainer))
+    trainer.handover.onload_models()  # the phase ends with the models on the device
     # The final model first: if writing it fails, the weights are already on disk
     # (HFPolicy.save writes a plain safetensors file before converting).
     trainer.policy.save(trainer.run_dir / "final_model", with_optimizer=False)
@@ -100,6 +102,9 @@ async def start(trainer: Trainer) -> bool:
         saved = cfg.sft.steps > 0 and trainer.checkpoint_due()  # the warm-up's last step was due
         if saved:
             trainer.save()
+    trainer.handover = Handover(trainer)
+    if trainer.state["rl_step"] < cfg.rl.steps:
+        await trainer.handover.start()
     if trainer.stop_requested and trainer.state["rl_step"] < cfg.rl.steps:
         await trainer.stop(saved=saved)
         return True
@@ -131,7 +136,11 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
     )
     samples.after_take(trainer, step, groups, round_metrics, staleness)  # dumps, traces
     record: dict[str, Any] = {"step": step, "phase": "rl", **round_metrics, **staleness}
-    if trainer.pipeline is None:
+    if trainer.pipeline is None and trainer.handover.enabled:  # colocated hand-over
+        await trainer.handover.before_train(record)
+        record.update(stages.train(trainer, groups))
+        record["perf/sync_time"] = await trainer.handover.publish(record)
+    elif trainer.pipeline is None:
         record.update(stages.train(trainer, groups))
         record["perf/sync_time"] = await stages.sync_weights(trainer)
     else:

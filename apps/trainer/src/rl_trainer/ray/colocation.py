@@ -27,6 +27,13 @@ class Colocation:
             ray.get([e.release_memory.remote() for e in self.engines])
             self.released = True
 
+    async def release(self) -> None:
+        """Release the engines' memory now (the colocated hand-over of
+        :mod:`rl_trainer.offload`); a no-op when disabled or already released."""
+        if self.enabled and self.engines and not self.released:
+            await asyncio.gather(*(e.release_memory.remote() for e in self.engines))
+            self.released = True
+
     async def before_generate(self) -> None:
         """Take the released memory back before the engines generate."""
         if self.released:

@@ -135,6 +135,23 @@ class PolicyRank:
         self._on_model_thread(lambda: model.load(directory, with_optimizer=with_optimizer))
         return model.version
 
+    def offload(self, role: str) -> None:
+        """``offload()`` of ``role`` (a no-op for a backend without ``supports_offload``)."""
+        model = self.models[role]
+        self._on_model_thread(model.offload)
+
+    def onload(self, role: str) -> None:
+        """``onload()`` of ``role``."""
+        model = self.models[role]
+        self._on_model_thread(model.onload)
+
+    def memory_sample(self, role: str) -> dict[str, int]:
+        """This rank's memory (:func:`rl_trainer.offload.memory_sample` of ``role``'s model)."""
+        from rl_trainer.offload import memory_sample
+
+        model = self.models[role]
+        return memory_sample([model] if hasattr(model, "resident_storages") else [])
+
     def weights(self, role: str) -> list[tuple[str, torch.Tensor]]:
         """Full weights of ``role`` (every rank iterates; rank 0 returns them)."""
         model = self.models[role]
@@ -309,6 +326,20 @@ class _RankGroup:
             ref = ray.put(batch)
             return self._call(method, self.role, *args, per_rank=[ref] * len(self.ranks))[:1]
         return self._first_of_each_replica(self._call(method, self.role, *args, per_rank=shards))
+
+    def offload(self) -> None:
+        """Every rank offloads (colocated hand-over, :mod:`rl_trainer.offload`)."""
+        self._call("offload", self.role)
+
+    def onload(self) -> None:
+        """Every rank onloads."""
+        self._call("onload", self.role)
+
+    def memory_sample(self) -> dict[str, int]:
+        """Rank 0's memory: ``bytes`` (CUDA allocated or resident tensor bytes), ``rss_bytes``."""
+        import ray
+
+        return ray.get(self.ranks[0].memory_sample.remote(self.role), timeout=self._timeout)
 
     def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
         """Every rank saves (rank 0 the weights); ``directory`` must be on a shared filesystem."""

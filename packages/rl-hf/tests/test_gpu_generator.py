@@ -1,0 +1,73 @@
+"""GPU tier: the reference HFGenerator on CUDA passes the Generator conformance suite (sampling,
+log-probs against a teacher-forced forward, weight updates, aborts)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rl_core.interfaces import Generator
+from rl_core.testing.generator import GeneratorConformance
+from rl_hf import TinyModelSpec, build_tiny_model
+from rl_hf.generator import HFGenerator
+
+SPEC = TinyModelSpec(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen2 with a sharpened output distribution (long responses, as in
+    test_reference_generator.py)."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), SPEC)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 20.0
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.gpu
+class TestHFGeneratorCUDAConformance(GeneratorConformance):
+    """HFGenerator with ``device: cuda`` against the standard suite."""
+
+    @pytest.fixture
+    def generator(self, tiny_path: Path) -> Iterable[Generator]:
+        gen = HFGenerator(
+            HFGenerator.Config(model_path=str(tiny_path), max_batch_size=32, device="cuda")
+        )
+        assert gen.model.device.type == "cuda"
+        yield gen
+        asyncio.run(gen.close())
+
+    def new_weights(self, generator: Generator, seed: int) -> Iterable[tuple[str, torch.Tensor]]:
+        assert isinstance(generator, HFGenerator)
+        g = torch.Generator().manual_seed(seed)
+        for name, t in generator.model.state_dict().items():
+            if name == "lm_head.weight":  # tied: sent once, as the embedding
+                continue
+            t = t.detach().cpu()
+            scale = max(float(t.float().std()) if t.numel() > 1 else 0.0, 0.05)
+            yield name, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+    def teacher_forced_logprobs(
+        self,
+        generator: Generator,
+        input_ids: Sequence[int],
+        output_ids: Sequence[int],
+        temperature: float,
+    ) -> torch.Tensor:
+        assert isinstance(generator, HFGenerator)
+        model = generator.model
+        ids = torch.tensor([list(input_ids) + list(output_ids)], device=model.device)
+        with torch.no_grad():
+            logits_LV = model(input_ids=ids).logits[0].float().cpu()
+        t = temperature if temperature > 0 else 1.0
+        p = len(input_ids)
+        return torch.log_softmax(logits_LV[p - 1 : p - 1 + len(output_ids)] / t, -1)

@@ -1,0 +1,113 @@
+"""``offload``/``onload`` of :class:`~rl_megatron.MegatronPolicy` (and the critic), a mixin.
+
+What moves, by kind (switched by ``policy.offload``, an :class:`~rl_core.offload.OffloadConfig`):
+
+- ``weights``: the module's parameters and buffers, and DDP's contiguous parameter buffers
+  (``param_data``, present with the distributed optimizer: the parameters are views into it);
+- ``grads``: DDP's contiguous gradient buffers (``grad_data``; every ``param.main_grad`` is a view
+  into one), any ``.grad`` of the parameters and of the optimizer's own parameters;
+- ``optimizer``: per sub-optimizer of Megatron's ``ChainedOptimizer``, the inner torch
+  optimizer's parameters (the fp32 master weights of a bf16 model, or their data-parallel shards
+  under the distributed optimizer) and its state (Adam ``exp_avg``/``exp_avg_sq``).
+
+The mechanism is :class:`~rl_core.offload.StorageOffloader`: storages are freed in place and
+restored bitwise, so the views Megatron keeps into its buffers (``main_grad``, the distributed
+optimizer's shard views, bucket views) are valid again after ``onload``. Between ``offload`` and
+``onload`` the policy must not be used. An fp32 model without the distributed optimizer trains
+its parameters directly: they are the optimizer's parameters too and move with ``weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rl_core.offload import OffloadKind, ResidentStorage, StorageOffloader
+
+__all__ = ["OffloadMixin"]
+
+Tracked = Iterator[tuple[OffloadKind, str, torch.Tensor | None]]
+
+
+def _ddp_buffers(model: Any) -> list[Any]:
+    """DDP's parameter-and-gradient buffers (dense and expert-parallel)."""
+    return [*getattr(model, "buffers", []), *getattr(model, "expert_parallel_buffers", [])]
+
+
+def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's (chained) optimizer."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    out = []
+    for sub in subs:
+        inner = getattr(sub, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            out.append(inner)
+    return out
+
+
+class OffloadMixin:
+    """Adds ``offload``/``onload`` to :class:`~rl_megatron.MegatronPolicy` (uses ``module``,
+    ``model``, ``optimizer`` and ``config.offload``)."""
+
+    module: Any
+    model: Any
+    _device: Any
+    optimizer: Any
+    config: Any
+
+    @property
+    def offloader(self) -> StorageOffloader:
+        """The storage mover of this rank (built on first use from ``config.offload``)."""
+        found = self.__dict__.get("_offloader")
+        if found is None:
+            found = StorageOffloader(self.config.offload)
+            self.__dict__["_offloader"] = found
+        return found
+
+    @property
+    def is_offloaded(self) -> bool:
+        """Whether the state selected by ``config.offload`` is off the device now."""
+        found = self.__dict__.get("_offloader")
+        return bool(found is not None and found.offloaded)
+
+    def offload(self) -> None:
+        """Move this rank's weights, gradient buffers and optimizer state (as ``config.offload``
+        selects) off the device and free the device memory; a no-op when already offloaded.
+        Local to the rank (no collective), but call it on every rank."""
+        self.offloader.offload(self.tracked_tensors())
+
+    def onload(self) -> None:
+        """Bring back, bitwise, what :meth:`offload` moved; a no-op when nothing is offloaded."""
+        self.offloader.onload()
+
+    def resident_storages(self) -> list[ResidentStorage]:
+        """Storages of the tracked state still holding memory outside the offloader's host
+        copies (after :meth:`offload`: only kinds switched off)."""
+        return self.offloader.resident(self.tracked_tensors())
+
+    def tracked_tensors(self) -> Tracked:
+        """``(kind, name, tensor)`` of this rank's state, weights first (a storage's first
+        kind decides whether it moves)."""
+        for name, param in self.module.named_parameters():
+            yield "weights", name, param
+        for name, buf in self.module.named_buffers():
+            yield "weights", name, buf
+        buffers = _ddp_buffers(self.model)
+        for i, buf in enumerate(buffers):
+            yield "weights", f"ddp.{i}.param_data", getattr(buf, "param_data", None)
+        for i, buf in enumerate(buffers):
+            yield "grads", f"ddp.{i}.grad_data", getattr(buf, "grad_data", None)
+        for name, param in self.module.named_parameters():
+            yield "grads", f"{name}.main_grad", getattr(param, "main_grad", None)
+            yield "grads", f"{name}.grad", param.grad
+        device = self._device().type  # not the parameters': they are host tensors when offloaded
+        for k, inner in enumerate(_inner_optimizers(self.optimizer)):
+            for g, group in enumerate(inner.param_groups):
+                for j, param in enumerate(group["params"]):
+                    yield "optimizer", f"opt{k}.group{g}.{j}", param
+                    yield "grads", f"opt{k}.group{g}.{j}.grad", param.grad
+                    for key, value in inner.state.get(param, {}).items():
+                        if isinstance(value, torch.Tensor) and value.device.type == device:
+                            yield "optimizer", f"opt{k}.group{g}.{j}.{key}", value
