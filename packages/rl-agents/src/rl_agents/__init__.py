@@ -1,9 +1,10 @@
 """rl-agents: multi-turn and agent rollouts; train unmodified agent programs through an
-OpenAI-compatible server.
+OpenAI- and Anthropic-compatible server.
 
-- :class:`AgentServer`: ``/v1/chat/completions`` (streaming or not, tool calls) and
-  ``/v1/models`` in front of any :class:`~rl_core.interfaces.Generator`; it records the exact
-  token ids and log-probs served in each session.
+- :class:`AgentServer`: OpenAI ``/v1/chat/completions`` and ``/v1/responses``, Anthropic
+  ``/v1/messages`` (streaming or not, tool calls) and ``/v1/models`` in front of any
+  :class:`~rl_core.interfaces.Generator` (one module per API under :mod:`rl_agents.api`); it
+  records the exact token ids and log-probs served in each session.
 - :class:`Session`, :class:`TurnRecord`, :func:`linearize`: the recorded turns and how they
   become training rollouts (turns merged when the next prompt extends the held tokens).
 - :class:`AgentRollout`: a :class:`~rl_core.interfaces.GenerateFn` that runs an agent program (a
