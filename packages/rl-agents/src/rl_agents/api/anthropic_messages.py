@@ -93,9 +93,9 @@ def parse(body: Mapping[str, Any]) -> ChatRequest:
         temperature=number(body.get("temperature"), "temperature"),
         top_p=number(body.get("top_p"), "top_p"),
         seed=None,
-        fields={"user": str(metadata.get("user_id") or "")}
-        if isinstance(metadata, Mapping)
-        else {},
+        user=str(metadata["user_id"])
+        if isinstance(metadata, Mapping) and metadata.get("user_id")
+        else None,
     )
 
 
@@ -199,7 +199,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
     try:
         body = await read_json(request)
         req = parse(body)
-        session = server.session_of(request, req.fields.get("user") or None)
+        session = server.session_of(request, req.user)
         done = await server.complete(session, req)
     except HTTPError as e:
         return error_response(e)

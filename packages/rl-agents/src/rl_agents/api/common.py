@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from rl_agents.chat import ParsedCompletion
@@ -52,8 +52,8 @@ class ChatRequest:
     """Client top-p (same rule)."""
     seed: int | None = None
     """Client seed (same rule)."""
-    fields: dict[str, str] = field(default_factory=dict)
-    """Names of the surface's own fields for error messages (``messages``, ``max_tokens``)."""
+    user: str | None = None
+    """A session id given in the body (the last fallback of :meth:`AgentServer.session_of`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
