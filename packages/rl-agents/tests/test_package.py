@@ -29,3 +29,14 @@ def test_import_needs_neither_aiohttp_nor_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_sandbox_command_and_agent_program_start_without_torch():
+    """``python -m rl_agents.tools`` runs once per shell-tool call and the coding agent once per
+    session: neither may pay for importing torch (the package imports lazily)."""
+    code = (
+        "import sys, rl_agents.tools, rl_agents.examples.coding_agent.agent\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'rl_core.interfaces') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from rl_agents.tools import Sandbox, namespaces_available
+from rl_agents.tools.sandbox import isolation_modes
 from rl_core.errors import ConfigError, DataError
 
-MODES = ["rlimits"] + (["namespace"] if namespaces_available() else [])
+MODES = isolation_modes()
 
 
 @pytest.fixture(params=MODES)

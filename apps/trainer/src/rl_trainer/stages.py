@@ -282,7 +282,21 @@ def advantages(
     values: list[torch.Tensor] | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-rollout advantages ``[R_i]`` from the rewards and, with a critic's ``values``, GAE
-    returns ``[R_i]``."""
+    returns ``[R_i]``.
+
+    One prompt, many samples: rollouts of a group that share a ``rollout_id`` (siblings: a
+    sub-agent's trajectory, a compacted context) are one episode. Without a critic the
+    estimator sees one entry per episode (its siblings' mean reward, their masks end to end),
+    so a group's baseline counts each episode once however many samples it split into, and
+    every sibling gets its episode's advantage. With a critic, each sample keeps its own values
+    and GAE runs per sample.
+    """
+    if values is None:
+        episodes: dict[tuple[int, str], list[int]] = {}
+        for i, (r, g) in enumerate(zip(rollouts, group_index, strict=True)):
+            episodes.setdefault((g, r.rollout_id), []).append(i)
+        if len(episodes) < len(rollouts):
+            return _episode_advantages(advantage_fn, rollouts, list(episodes.items())), None
     inputs = AdvantageInputs(
         rewards=torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32),
         group_index=torch.tensor(list(group_index), dtype=torch.int64),
@@ -293,6 +307,28 @@ def advantages(
         adv, returns = advantage_fn.advantages_and_returns(inputs)
         return list(adv), list(returns)
     return list(advantage_fn(inputs)), None
+
+
+def _episode_advantages(
+    advantage_fn: Any,
+    rollouts: Sequence[Rollout],
+    episodes: list[tuple[tuple[int, str], list[int]]],
+) -> list[torch.Tensor]:
+    """Advantages computed per episode (see :func:`advantages`), split back to its samples."""
+    masks = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rollouts]
+    inputs = AdvantageInputs(
+        rewards=torch.tensor(
+            [sum(float(rollouts[i].reward) for i in ix) / len(ix) for _, ix in episodes],
+            dtype=torch.float32,
+        ),
+        group_index=torch.tensor([g for (g, _), _ in episodes], dtype=torch.int64),
+        response_mask=[torch.cat([masks[i] for i in ix]) for _, ix in episodes],
+    )
+    out: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
+    for (_, ix), adv in zip(episodes, advantage_fn(inputs), strict=True):
+        for i, part in zip(ix, torch.split(adv, [len(masks[i]) for i in ix]), strict=True):
+            out[i] = part
+    return out
 
 
 def rl_batch(run: Trainer, groups: Sequence[Group]) -> TrainBatch:
@@ -367,6 +403,11 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
         if k in m:
             record[f"train/{k}"] = m[k]
     record.update(critic_record)
+    # The global batch varies when a rollout function returns several samples per episode.
+    record["train/samples"] = sum(len(g.rollouts) for g in groups)
+    record["train/episodes"] = len(
+        {(i, r.rollout_id) for i, g in enumerate(groups) for r in g.rollouts}
+    )
     record["perf/train_time"] = train_time
     record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
     return record

@@ -115,7 +115,9 @@ class AgentRollout:
         self._server_for: Generator | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def _ensure_server(self, ctx: RolloutContext) -> AgentServer:
+    async def ensure_server(self, ctx: RolloutContext) -> AgentServer:
+        """The server for ``ctx.generator`` on the running event loop (started, or restarted
+        when the generator or loop changed)."""
         loop = asyncio.get_running_loop()
         if self.server is not None and (
             self._server_for is not ctx.generator or self._loop is not loop
@@ -139,7 +141,7 @@ class AgentRollout:
 
     async def __call__(self, prompt: Prompt, ctx: RolloutContext) -> list[Rollout]:
         """Run ``ctx.n_samples`` sessions of the agent concurrently; all their rollouts."""
-        server = await self._ensure_server(ctx)
+        server = await self.ensure_server(ctx)
         runs = await asyncio.gather(
             *(self._session(server, prompt, ctx, k) for k in range(ctx.n_samples))
         )

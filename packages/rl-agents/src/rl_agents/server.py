@@ -1,47 +1,46 @@
-"""An OpenAI-compatible ``/v1/chat/completions`` server in front of any
-:class:`~rl_core.interfaces.Generator`, recording what it serves for training.
+"""An agent server in front of any :class:`~rl_core.interfaces.Generator`, recording what it
+serves for training. It speaks three APIs, so unmodified agents written against the official
+clients work: OpenAI chat completions, OpenAI Responses and Anthropic Messages.
 
 ::
 
     server = AgentServer(AgentServer.Config(), generator=gen, tokenizer=tok)
-    await server.start()                              # http://127.0.0.1:<port>/v1
+    await server.start()                              # http://127.0.0.1:<port>
     server.open_session("s1", sampling=SamplingParams(temperature=1.0, max_new_tokens=256))
-    # ... an agent program uses OpenAI(base_url=server.base_url, api_key="s1") ...
+    # ... an agent uses OpenAI(base_url=server.base_url, api_key="s1")
+    #     or Anthropic(base_url=server.root_url, api_key="s1") ...
     rollouts = server.finish_session("s1", prompt_uid="p0", prompt_ids=ids, reward=1.0)
     await server.close()
 
-Endpoints: ``POST /v1/chat/completions`` (``stream`` true or false, ``tools``, ``tool_choice``
-``auto``/``none``, ``logprobs``, ``max_tokens``/``max_completion_tokens``, ``seed``) and
-``GET /v1/models``.
+Endpoints (one module each under :mod:`rl_agents.api`): ``POST /v1/chat/completions``,
+``POST /v1/responses``, ``POST /v1/messages`` (Anthropic) and ``GET /v1/models``. Every surface
+turns its request into OpenAI chat messages and calls :meth:`AgentServer.complete`, which
+renders them with the chat template, generates, and records the exact prompt ids, sampled ids
+and log-probs as a :class:`~rl_agents.session.TurnRecord` of the session.
 
 Sessions. A request belongs to the session named by, in this order: the ``X-Session-Id``
-header, the bearer token (``Authorization: Bearer <id>``, i.e. the client's ``api_key``), or the
-body's ``user`` field. Only sessions the trainer opened are served; any other id gets HTTP 401,
-so a stray client cannot inject training data. A finished session gets 404.
+header, the bearer token (``Authorization: Bearer <id>``, the OpenAI client's ``api_key``), the
+``x-api-key`` header (the Anthropic client's ``api_key``), or the body's ``user`` field
+(``metadata.user_id`` for Anthropic). Only sessions the trainer opened are served; any other id
+gets HTTP 401, so a stray client cannot inject training data. A finished session gets 404.
+Concurrent agents each use their own id, and each turn is recorded only in its own session.
 
 Sampling is the trainer's: temperature, top-p and top-k come from the session (the log-probs
 must be those of the policy being trained), unless ``Config.client_sampling`` is on. A client's
-``max_tokens`` may only lower the session's ``max_new_tokens``. ``n`` > 1 and ``stop`` strings
-are refused with HTTP 400 (the engine stops on token ids; set the session's
-``stop_token_ids``).
-
-Streaming is emulated: the completion is generated in full, then sent as server-sent events
-(role, content pieces, tool-call deltas, finish reason, an optional usage chunk, ``[DONE]``).
-The bytes a client assembles are those of the non-streaming response.
+``max_tokens`` may only lower the session's ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl_agents.chat import ChatFormat, ParsedCompletion
+from rl_agents.api import anthropic_messages, chat_completions, responses
+from rl_agents.api.common import ChatRequest, Completion, HTTPError
+from rl_agents.chat import ChatFormat
 from rl_agents.session import Session, TurnRecord
 from rl_core.config import Port, PositiveInt
 from rl_core.errors import ConfigError, DataError, GenerationError, RLError
@@ -53,18 +52,10 @@ if TYPE_CHECKING:
 
 __all__ = ["AgentServer"]
 
-_STREAM_PIECE_CHARS = 16
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
 
 class AgentServer:
-    """Serves chat completions from a generator and records each session's tokens; see the
-    module docstring."""
+    """Serves chat completions, Responses and Anthropic Messages from a generator and records
+    each session's tokens; see the module docstring."""
 
     @dataclass(frozen=True, slots=True, kw_only=True)
     class Config:
@@ -119,7 +110,9 @@ class AgentServer:
         if self._runner is not None:
             return
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self._handle_chat)
+        app.router.add_post("/v1/chat/completions", self._route(chat_completions.handle))
+        app.router.add_post("/v1/responses", self._route(responses.handle))
+        app.router.add_post("/v1/messages", self._route(anthropic_messages.handle))
         app.router.add_get("/v1/models", self._handle_models)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -141,7 +134,14 @@ class AgentServer:
         """``http://host:port/v1``, the OpenAI client's ``base_url``."""
         if self._port is None:
             raise RLError("AgentServer.base_url: call `await server.start()` first.")
-        return f"http://{self.config.host}:{self._port}/v1"
+        return f"{self.root_url}/v1"
+
+    @property
+    def root_url(self) -> str:
+        """``http://host:port``, the Anthropic client's ``base_url`` (it appends ``/v1``)."""
+        if self._port is None:
+            raise RLError("AgentServer.root_url: call `await server.start()` first.")
+        return f"http://{self.config.host}:{self._port}"
 
     # ----------------------------------------------------------------------------- sessions
     def open_session(
@@ -202,106 +202,72 @@ class AgentServer:
             }
         )
 
-    async def _handle_chat(self, request: web.Request) -> web.StreamResponse:
-        from aiohttp import web
+    def _route(self, handler: Any) -> Any:
+        async def route(request: web.Request) -> web.StreamResponse:
+            return await handler(self, request)
 
-        try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise _HTTPError(400, f"request body is not JSON: {e}", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise _HTTPError(400, "request body must be a JSON object", "invalid_json")
-            session = self._session_of(request, body)
-            turn, parsed, prompt_len = await self._complete(session, body)
-        except _HTTPError as e:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": e.message,
-                        "type": "invalid_request_error",
-                        "param": e.param,
-                        "code": e.code,
-                    }
-                },
-                status=e.status,
-            )
-        return await self._respond(request, body, turn, parsed, prompt_len)
+        return route
 
-    def _session_of(self, request: web.Request, body: Mapping[str, Any]) -> Session:
+    def session_of(self, request: web.Request, body_user: str | None = None) -> Session:
+        """The open session a request belongs to (see the module docstring), or HTTP 401/404."""
         sid = request.headers.get("X-Session-Id")
         if not sid:
             auth = request.headers.get("Authorization", "")
             if auth.lower().startswith("bearer "):
                 sid = auth[7:].strip()
-        if not sid and isinstance(body.get("user"), str):
-            sid = body["user"]
         if not sid:
-            raise _HTTPError(
+            sid = request.headers.get("x-api-key", "").strip()
+        if not sid and isinstance(body_user, str):
+            sid = body_user
+        if not sid:
+            raise HTTPError(
                 401,
                 "no session id: send it as the API key, the X-Session-Id header or 'user'.",
                 "session_missing",
             )
         if sid in self._finished:
-            raise _HTTPError(404, f"session {sid!r} has finished.", "session_finished")
+            raise HTTPError(404, f"session {sid!r} has finished.", "session_finished")
         s = self.sessions.get(sid)
         if s is None:
-            raise _HTTPError(401, f"session {sid!r} is not open on this server.", "session_unknown")
+            raise HTTPError(401, f"session {sid!r} is not open on this server.", "session_unknown")
         return s
 
-    def _sampling(self, s: Session, body: Mapping[str, Any]) -> SamplingParams:
-        if body.get("n", 1) not in (1, None):
-            raise _HTTPError(400, "only n=1 is supported", "unsupported", "n")
-        if body.get("stop"):
-            raise _HTTPError(
-                400,
-                "stop strings are not supported; the session's stop_token_ids apply",
-                "unsupported",
-                "stop",
-            )
+    def _sampling(self, s: Session, req: ChatRequest) -> SamplingParams:
         sp = s.sampling
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if limit is not None:
-            if not isinstance(limit, int) or limit < 1:
-                raise _HTTPError(400, f"max_tokens must be a positive integer, got {limit!r}",
-                                 "invalid_value", "max_tokens")  # fmt: skip
-            sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, limit))
-        if self.config.client_sampling:
-            for key in ("temperature", "top_p"):
-                if body.get(key) is not None:
-                    sp = dataclasses.replace(sp, **{key: float(body[key])})
+        if req.max_tokens is not None:
+            sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, req.max_tokens))
         seed = sp.seed
-        if isinstance(body.get("seed"), int) and self.config.client_sampling:
-            seed = body["seed"]
+        if self.config.client_sampling:
+            if req.temperature is not None:
+                sp = dataclasses.replace(sp, temperature=req.temperature)
+            if req.top_p is not None:
+                sp = dataclasses.replace(sp, top_p=req.top_p)
+            if req.seed is not None:
+                seed = req.seed
         if seed is not None:  # distinct, reproducible seeds per turn
             sp = dataclasses.replace(sp, seed=(seed * 1_000_003 + len(s.turns)) & 0x7FFFFFFF)
         return sp
 
-    async def _complete(
-        self, s: Session, body: Mapping[str, Any]
-    ) -> tuple[TurnRecord, ParsedCompletion, int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _HTTPError(
-                400, "'messages' must be a non-empty list", "invalid_value", "messages"
-            )
+    async def complete(self, s: Session, req: ChatRequest) -> Completion:
+        """Render ``req`` with the chat template, generate, record the turn in session ``s``
+        and return it. Raises :class:`~rl_agents.api.common.HTTPError` for a bad request."""
         if s.max_turns is not None and len(s.turns) >= s.max_turns:
-            raise _HTTPError(
+            raise HTTPError(
                 400, f"session {s.id!r} reached max_turns={s.max_turns}", "max_turns_reached"
             )
-        tools = body.get("tools") or None
-        tool_choice = body.get("tool_choice", "auto")
-        tools_enabled = bool(tools) and tool_choice != "none"
-        sampling = self._sampling(s, body)
+        sampling = self._sampling(s, req)
         try:
-            text = self.chat.render(s.substitute(messages), tools if tools_enabled else None)
+            text = self.chat.render(
+                s.substitute(req.messages), req.tools if req.tools_enabled else None
+            )
         except DataError as e:
-            raise _HTTPError(400, str(e), "invalid_messages", "messages") from None
+            raise HTTPError(400, str(e), "invalid_messages", "messages") from None
         ids, _ = s.prompt_ids(text, self.chat.encode)
+        rerendered = s.rerendered(text)
         limit = s.max_context_tokens
         if limit is not None:
             if len(ids) >= limit:
-                raise _HTTPError(
+                raise HTTPError(
                     400,
                     f"prompt has {len(ids)} tokens; the session allows {limit} in context",
                     "context_length_exceeded",
@@ -310,24 +276,24 @@ class AgentServer:
             sampling = dataclasses.replace(
                 sampling, max_new_tokens=min(sampling.max_new_tokens, limit - len(ids))
             )
-        req = GenerationRequest(
+        request = GenerationRequest(
             request_id=f"{s.id}/{len(s.turns)}/{uuid.uuid4().hex[:8]}",
             input_ids=ids,
             sampling=sampling,
         )
         try:
-            (result,) = await self.generator.generate([req])
+            (result,) = await self.generator.generate([request])
         except (DataError, ValueError) as e:  # the request itself is bad (e.g. too long)
-            raise _HTTPError(400, f"generation failed: {e}", "generation_failed") from None
+            raise HTTPError(400, f"generation failed: {e}", "generation_failed") from None
         except (GenerationError, RLError) as e:  # the engine failed: retryable for the client
-            raise _HTTPError(503, f"engine error: {e}", "engine_error") from None
+            raise HTTPError(503, f"engine error: {e}", "engine_error") from None
         out = list(result.output_ids)
         dec = self.tokenizer.decode
         output_text = dec(out, skip_special_tokens=False)
         body_ids = out[:-1] if result.finish_reason == FinishReason.STOP and out else out
         raw = dec(body_ids, skip_special_tokens=False)
         visible = dec(body_ids, skip_special_tokens=True)
-        parsed = ChatFormat.parse(visible, tools_enabled=tools_enabled)
+        parsed = ChatFormat.parse(visible, tools_enabled=req.tools_enabled)
         turn = TurnRecord(
             prompt_ids=ids,
             result=result,
@@ -337,103 +303,13 @@ class AgentServer:
             content=parsed.content,
             tool_call_ids=tuple(c.id for c in parsed.tool_calls),
             ill_formed=parsed.ill_formed,
+            rerendered_turn=rerendered,
         )
         if s.closed:  # finished while the engine was busy: serve, but do not record
-            raise _HTTPError(404, f"session {s.id!r} has finished.", "session_finished")
+            raise HTTPError(404, f"session {s.id!r} has finished.", "session_finished")
         s.turns.append(turn)
-        return turn, parsed, len(ids)
-
-    # ----------------------------------------------------------------------------- responses
-    def _finish_reason(self, turn: TurnRecord, parsed: ParsedCompletion) -> str:
         if parsed.tool_calls:
-            return "tool_calls"
-        return "length" if turn.result.finish_reason == FinishReason.LENGTH else "stop"
-
-    def _logprobs(self, turn: TurnRecord) -> dict[str, Any]:
-        content = []
-        for t, lp in zip(turn.result.output_ids, turn.result.output_logprobs):
-            s = self.tokenizer.decode([t], skip_special_tokens=False)
-            content.append(
-                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-            )
-        return {"content": content}
-
-    async def _respond(
-        self,
-        request: web.Request,
-        body: Mapping[str, Any],
-        turn: TurnRecord,
-        parsed: ParsedCompletion,
-        prompt_len: int,
-    ) -> web.StreamResponse:
-        from aiohttp import web
-
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = str(body.get("model") or self.config.model_name)
-        n_out = len(turn.result.output_ids)
-        usage = {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": n_out,
-            "total_tokens": prompt_len + n_out,
-        }
-        finish = self._finish_reason(turn, parsed)
-        want_lp = bool(body.get("logprobs"))
-        if not body.get("stream"):
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
-                "finish_reason": finish,
-                "logprobs": self._logprobs(turn) if want_lp else None,
-            }
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
-
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-
-        async def send(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any):
-            chunk = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **extra}],
-            }
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        await send({"role": "assistant", "content": ""})
-        content = parsed.content or ""
-        for i in range(0, len(content), _STREAM_PIECE_CHARS):
-            await send({"content": content[i : i + _STREAM_PIECE_CHARS]})
-        for i, c in enumerate(parsed.tool_calls):
-            await send({"tool_calls": [c.to_openai(index=i)]})
-        await send({}, finish, **({"logprobs": self._logprobs(turn)} if want_lp else {}))
-        opts = body.get("stream_options") or {}
-        if isinstance(opts, Mapping) and opts.get("include_usage"):
-            chunk = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage,
-            }
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        await asyncio.sleep(0)
-        return resp
+            finish = "tool_calls"
+        else:
+            finish = "length" if result.finish_reason == FinishReason.LENGTH else "stop"
+        return Completion(turn=turn, parsed=parsed, prompt_tokens=len(ids), finish=finish)

@@ -15,6 +15,14 @@ extend an open trajectory is appended to it (the new prompt tokens with loss mas
 ids with mask 1); otherwise it starts a new trajectory (the agent rewrote its history, ran a
 sub-agent, compacted its context). All trajectories of a session share its ``rollout_id`` and
 its reward.
+
+Re-rendered history is flagged, never hidden. When a request continues an earlier turn's prompt
+but the earlier completion renders back differently from what the model sampled (a chat
+template that rewrites earlier assistant turns, e.g. one that drops thinking from history, or an
+agent that edits a reply), the tokens the model produced would change. The server does not
+re-encode them into the old trajectory: the turn starts a new trajectory and records
+:attr:`TurnRecord.rerendered_turn`; every rollout of the session carries the count in
+``metadata["template_mismatch"]``.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ class TurnRecord:
     """Ids of the tool calls returned to the client."""
     ill_formed: bool = False
     """The completion held a malformed ``<tool_call>`` block."""
+    rerendered_turn: int | None = None
+    """Index of the earlier turn whose prompt this one continues but whose completion was
+    rendered back differently (see the module docstring); ``None`` when the history matched."""
 
     @property
     def held_text(self) -> str:
@@ -82,6 +93,9 @@ class Session:
     """Served completions, in order."""
     closed: bool = False
     """No more completions are served once the session is finished."""
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Responses API state: the conversation (chat messages) of each response id served, which
+    a later request continues with ``previous_response_id``."""
 
     def prompt_ids(self, text: str, encode: Any) -> tuple[tuple[int, ...], int | None]:
         """Token ids for the rendered prompt ``text``: the held ids of the earlier turn whose
@@ -99,6 +113,17 @@ class Session:
         t = self.turns[best]
         rest = text[len(t.held_text) :]
         return t.held_ids + (tuple(encode(rest)) if rest else ()), best
+
+    def rerendered(self, text: str) -> int | None:
+        """The turn whose completion ``text`` renders back differently: no turn's held text
+        is a prefix of ``text``, but the latest such turn's prompt text is (``None`` when a
+        held text matches or no earlier prompt is continued)."""
+        if any(text.startswith(t.held_text) for t in self.turns):
+            return None
+        for i in range(len(self.turns) - 1, -1, -1):
+            if text.startswith(self.turns[i].prompt_text):
+                return i
+        return None
 
     def substitute(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with each assistant message served in this session (matched by its tool
@@ -148,6 +173,7 @@ class Session:
             "session_turns": len(self.turns),
             "ill_formed": sum(t.ill_formed for t in self.turns),
             "tool_calls": sum(len(t.tool_call_ids) for t in self.turns),
+            "template_mismatch": sum(t.rerendered_turn is not None for t in self.turns),
             **(metadata or {}),
         }
         if reward is not None:

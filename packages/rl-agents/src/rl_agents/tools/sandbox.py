@@ -1,47 +1,67 @@
-"""Run untrusted Python (model-written code) in a subprocess with limits, for code-execution tools.
+"""Run untrusted code (model-written Python, an agent's shell commands) in a subprocess with
+limits, for code-execution tools.
 
 ::
 
     box = Sandbox(Sandbox.Config(timeout_s=5, memory_mb=256))
     res = box.run("print(sum(range(10)))")
-    res.ok, res.stdout        # True, "45\\n"
+    res.ok, res.stdout, res.isolation      # True, "45\\n", "bwrap"
 
-What is enforced, and how (``res.isolation`` says which mode ran):
+    with box.episode() as ep:              # one private root for a whole agent episode
+        ep.write_file("sol.py", "print(6 * 7)")
+        ep.shell("python3 sol.py").stdout  # "42\\n"
+
+Every :meth:`Sandbox.run` and every command of an :class:`Episode` is a fresh process (tree)
+under the limits below, in a private temporary root: a fresh directory (its working
+directory, ``HOME`` and ``TMPDIR``) that only that run or episode uses and that is deleted
+afterwards. ``res.isolation`` (and :attr:`Sandbox.isolation`) says which mechanism ran:
+
+- ``bwrap`` (`bubblewrap <https://github.com/containers/bubblewrap>`_, Debian package
+  ``bubblewrap``): new user, PID, network, IPC, UTS and cgroup namespaces, the host's ``/``
+  read-only, a private empty ``/tmp``, fresh ``/proc`` and ``/dev``, the root bound writable.
+- ``namespace`` (``unshare -rnm``): new user, network and mount namespaces with every mount
+  remounted read-only except the root.
+- ``rlimits``: resource limits only, plus an audit hook for Python code (best effort).
+
+``isolation: auto`` picks the first that works here, in that order.
 
 =========================  =====================================================================
 limit                      mechanism
 =========================  =====================================================================
 wall time                  the parent kills the whole process group (SIGKILL) after
-                           ``timeout_s``; ``res.timed_out`` is set. Enforced.
-CPU time                   ``RLIMIT_CPU`` (SIGXCPU at ``cpu_time_s``, SIGKILL one second later).
-                           Enforced by the kernel.
-memory                     ``RLIMIT_AS`` = ``memory_mb`` of address space: allocations beyond it
-                           fail (``MemoryError`` in Python). Enforced by the kernel.
+                           ``timeout_s``; ``res.timed_out`` is set (``bwrap``: the PID namespace
+                           dies with it). Enforced in every mode.
+CPU time                   ``RLIMIT_CPU`` (SIGXCPU at ``cpu_time_s``). Enforced.
+memory                     ``RLIMIT_AS`` = ``memory_mb`` of address space per process:
+                           allocations beyond it fail (``MemoryError`` in Python). Enforced.
+processes                  ``RLIMIT_NPROC`` = ``max_processes`` tasks (a fork bomb gets EAGAIN).
+                           The kernel ignores it for root, so a trainer running as root runs the
+                           code as ``nobody`` (``Config.drop_root``). Enforced; inside a user
+                           namespace it counts only the sandbox's own tasks.
 file size                  ``RLIMIT_FSIZE`` = ``file_size_mb`` per file, including the captured
-                           stdout/stderr (so a runaway printer cannot fill the disk). Enforced.
+                           stdout/stderr. Enforced.
 open files, core dumps     ``RLIMIT_NOFILE`` = ``max_open_files``; ``RLIMIT_CORE`` = 0. Enforced.
-no network                 ``namespace`` mode: the code runs in a new, empty network namespace
-                           (``unshare --net`` inside a user namespace): no interface but a down
-                           loopback, so nothing is reachable. Enforced by the kernel. In every
-                           mode an audit hook also refuses ``socket`` connect/bind/sendto and
-                           name lookups: best effort (native code can bypass audit hooks).
-writes only in its         ``namespace`` mode: a private mount namespace where every mount is
-directory                  remounted read-only except the run's fresh temporary directory (its
-                           working directory and ``HOME``). Enforced by the kernel. In every mode
-                           the audit hook also refuses opening for writing, removing, renaming,
-                           creating or changing files outside that directory: best effort.
-no child processes         the audit hook refuses ``subprocess``, ``os.system``, ``exec*``,
-                           ``spawn*``, ``fork`` and ``ctypes`` (a child would run without the
-                           hook): best effort.
-environment                only ``PATH``, ``HOME``, ``LANG`` and ``Config.env`` are passed; the
-                           interpreter runs isolated (``-I``: no ``PYTHON*`` variables, no user
-                           site). Enforced.
+no network                 ``bwrap``/``namespace``: an empty network namespace (only a down
+                           loopback). Enforced by the kernel. ``rlimits``: Python code only, by an
+                           audit hook refusing socket connect/bind/sendto and name lookups (best
+                           effort); shell commands are not restricted.
+writes only in the root    ``bwrap``/``namespace``: everything else is mounted read-only
+                           (``bwrap`` also hides the host's ``/tmp``). Enforced by the kernel.
+                           ``rlimits``: Python code only, by the audit hook (best effort); shell
+                           commands only by file permissions (``nobody`` when dropping root).
+no child processes         Python code run with :meth:`Sandbox.run`: the audit hook refuses
+(Python code)              ``subprocess``, ``exec*``, ``fork`` and ``ctypes`` (best effort).
+                           Shell commands may start processes, up to ``max_processes``.
+environment                only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and ``Config.env``; Python
+                           runs isolated (``-I``). Enforced.
 =========================  =====================================================================
 
-``namespace`` mode needs unprivileged user namespaces (``unshare -rnm`` must work); ``auto``
-uses it when it does and falls back to ``rlimits`` (rlimits + audit hook only), which is *not*
-a security boundary against hostile native code. Reading files outside the directory is not
-prevented in either mode (the interpreter and its libraries must be readable).
+Reading files outside the root is not prevented (the interpreter and its libraries must be
+readable); ``bwrap`` hides ``/tmp``, where other runs' roots live by default.
+
+The command line ``python -m rl_agents.tools --root DIR [--config JSON] -- ARGV...``
+runs one command in an existing root (an agent's shell tool), passing its output through and
+exiting with its status (128 + signal number when killed; 124 on timeout).
 """
 
 from __future__ import annotations
@@ -57,15 +77,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from rl_core.config import PositiveFloat, PositiveInt
 from rl_core.errors import ConfigError, DataError
 
-__all__ = ["Sandbox", "SandboxResult", "namespaces_available"]
+__all__ = [
+    "Episode",
+    "Sandbox",
+    "SandboxResult",
+    "bwrap_available",
+    "isolation_modes",
+    "namespaces_available",
+]
+
+NOBODY = 65534
+"""The uid and gid sandboxed code runs as when the trainer is root (``Config.drop_root``)."""
 
 # Runs as root of a fresh user+mount+net namespace: keep the run directory writable (a bind
 # mount of its own), make every other mount read-only, then exec the interpreter.
@@ -88,10 +118,25 @@ cfg = json.loads(sys.argv[1])
 wd = os.path.realpath(cfg["wd"])
 for name, soft, hard in cfg["limits"]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
+if cfg["nproc"]:
+    # RLIMIT_NPROC counts the real user's tasks: all of them without a user namespace of our own
+    # (then allow the ones already running), only the namespace's own inside one.
+    base = 0
+    if not cfg["own_userns"]:
+        uid = os.getuid()
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                    base += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+    resource.setrlimit(resource.RLIMIT_NPROC, (base + cfg["nproc"], base + cfg["nproc"]))
 os.chdir(wd)
 sys.path.insert(0, wd)
 if cfg["check_ro"]:
     assert os.statvfs("/").f_flag & os.ST_RDONLY, "sandbox: / is not read-only"
+if cfg.get("exec"):  # a command (the shell tool): limits only, no audit hook
+    os.execvp(cfg["exec"][0], cfg["exec"])
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _PATH_EVENTS = {"os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.chmod": 1,
                 "os.chown": 1, "os.link": 2, "os.symlink": 2, "os.truncate": 1, "os.utime": 1,
@@ -137,8 +182,45 @@ exec(compile(_code, _g["__file__"], "exec"), _g)
 """
 
 
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _drop_root_kwargs(drop: bool) -> dict:
+    """``Popen`` arguments that run the child as ``nobody`` when we are root."""
+    if drop and _is_root():
+        return {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+    return {}
+
+
 @functools.cache
-def namespaces_available() -> bool:
+def _nobody_can_run(python: str) -> bool:
+    try:
+        proc = subprocess.run(
+            [python, "-I", "-c", "import json, resource"],
+            capture_output=True,
+            timeout=30,
+            **_drop_root_kwargs(True),
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def _interpreter(python: str, drop: bool) -> tuple[str, bool]:
+    """The interpreter to run and whether to drop root: as root, code runs as ``nobody``, so
+    the interpreter must be runnable by ``nobody`` (a virtual environment under ``/root`` is
+    not): fall back to the system's ``python3``, or keep root when none is."""
+    if not (drop and _is_root()) or _nobody_can_run(python):
+        return python, drop
+    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if system is not None and _nobody_can_run(system):
+        return system, True
+    return python, False
+
+
+@functools.cache
+def namespaces_available(drop_root: bool = True) -> bool:
     """True when ``unshare -rnm`` works here (unprivileged user, network and mount
     namespaces): the ``namespace`` isolation mode can run."""
     exe = shutil.which("unshare")
@@ -149,10 +231,38 @@ def namespaces_available() -> bool:
             [exe, "-rnm", "--propagation", "private", "true"],
             capture_output=True,
             timeout=10,
+            **_drop_root_kwargs(drop_root),
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0
+
+
+@functools.cache
+def bwrap_available(drop_root: bool = True) -> bool:
+    """True when bubblewrap (``bwrap``) is installed and can create its namespaces here: the
+    ``bwrap`` isolation mode can run."""
+    exe = shutil.which("bwrap")
+    if exe is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        proc = subprocess.run(
+            [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all",
+             "--die-with-parent", "true"],
+            capture_output=True,
+            timeout=10,
+            **_drop_root_kwargs(drop_root),
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def isolation_modes() -> list[str]:
+    """The isolation modes that run on this machine, strongest first (``rlimits`` always)."""
+    return [
+        m for m, ok in (("bwrap", bwrap_available()), ("namespace", namespaces_available())) if ok
+    ] + ["rlimits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +282,7 @@ class SandboxResult:
     duration_s: float
     """Wall time from start to exit."""
     isolation: str
-    """The mode that ran: ``namespace`` or ``rlimits``."""
+    """The mode that ran: ``bwrap``, ``namespace`` or ``rlimits``."""
     truncated: bool = False
     """stdout or stderr was longer than ``max_output_bytes`` and was cut."""
 
@@ -183,77 +293,84 @@ class SandboxResult:
 
 
 class Sandbox:
-    """Runs Python code in a limited subprocess; see the module docstring for what is enforced."""
+    """Runs code in limited subprocesses; see the module docstring for what is enforced."""
 
     @dataclass(frozen=True, slots=True, kw_only=True)
     class Config:
-        """Limits of one :meth:`Sandbox.run`."""
+        """Limits of one :meth:`Sandbox.run` (or of each command of an :class:`Episode`)."""
 
         timeout_s: PositiveFloat = 10.0
         """Wall-clock seconds before the process group is killed."""
         cpu_time_s: PositiveInt = 10
-        """CPU seconds (``RLIMIT_CPU``)."""
+        """CPU seconds per process (``RLIMIT_CPU``)."""
         memory_mb: PositiveInt = 512
-        """Address space in MiB (``RLIMIT_AS``); Python itself needs ~30 MiB."""
+        """Address space per process in MiB (``RLIMIT_AS``); Python itself needs ~30 MiB."""
+        max_processes: PositiveInt = 32
+        """Processes (and threads) at most (``RLIMIT_NPROC``): stops fork bombs."""
         file_size_mb: PositiveInt = 16
         """Largest file the code may write, in MiB (``RLIMIT_FSIZE``; also caps stdout/stderr)."""
         max_open_files: PositiveInt = 64
         """Open file descriptors at most (``RLIMIT_NOFILE``)."""
         max_output_bytes: PositiveInt = 65536
         """Bytes of stdout and of stderr kept in the result."""
-        isolation: Literal["auto", "namespace", "rlimits"] = "auto"
-        """``namespace``: user + network + mount namespaces (kernel-enforced no-network and
-        read-only filesystem outside the run directory); ``rlimits``: resource limits and the
-        audit hook only; ``auto``: ``namespace`` when available."""
+        isolation: Literal["auto", "bwrap", "namespace", "rlimits"] = "auto"
+        """``bwrap`` (bubblewrap), ``namespace`` (``unshare``), ``rlimits`` (limits and the audit
+        hook only), or ``auto``: the first of these that works here."""
+        drop_root: bool = True
+        """When the trainer runs as root, run the code as ``nobody`` (the kernel does not apply
+        the process limit to root)."""
         python: str = field(default_factory=lambda: sys.executable)
-        """The interpreter that runs the code."""
+        """The interpreter that runs Python code (and the launcher of shell commands)."""
         env: dict[str, str] = field(default_factory=dict)
         """Extra environment variables for the code."""
 
         def __post_init__(self) -> None:
-            for name in ("timeout_s", "cpu_time_s", "memory_mb", "file_size_mb", "max_open_files"):
+            for name in ("timeout_s", "cpu_time_s", "memory_mb", "max_processes",
+                         "file_size_mb", "max_open_files", "max_output_bytes"):  # fmt: skip
                 if not getattr(self, name) > 0:
                     raise ConfigError(f"sandbox.{name}: must be > 0, got {getattr(self, name)}.")
-            if self.isolation not in ("auto", "namespace", "rlimits"):
+            if self.isolation not in ("auto", "bwrap", "namespace", "rlimits"):
                 raise ConfigError(
-                    "sandbox.isolation: expected auto, namespace or rlimits, got "
+                    "sandbox.isolation: expected auto, bwrap, namespace or rlimits, got "
                     f"{self.isolation!r}."
                 )
 
     def __init__(self, config: Config | None = None) -> None:
         self.config = config or Sandbox.Config()
-        mode = self.config.isolation
-        if mode == "namespace" and not namespaces_available():
+        mode, drop = self.config.isolation, self.config.drop_root
+        if mode == "bwrap" and not bwrap_available(drop):
+            raise ConfigError(
+                "sandbox.isolation: 'bwrap' needs bubblewrap working here (`bwrap --ro-bind / / "
+                "--unshare-all true` fails or bwrap is not installed); install it (apt-get install "
+                "bubblewrap) or use isolation: auto."
+            )
+        if mode == "namespace" and not namespaces_available(drop):
             raise ConfigError(
                 "sandbox.isolation: 'namespace' needs unprivileged user namespaces (`unshare -rnm "
                 "true` fails here); enable them (sysctl kernel.unprivileged_userns_clone=1) or use "
-                "isolation: rlimits, which is best effort only."
+                "isolation: auto, which falls back to rlimits (best effort only)."
             )
-        self.isolation: str = (
-            "namespace" if mode == "namespace" or (mode == "auto" and namespaces_available())
-            else "rlimits"
-        )  # fmt: skip
-        """The mode runs use."""
+        if mode == "auto":
+            mode = (
+                "bwrap" if bwrap_available(drop)
+                else "namespace" if namespaces_available(drop) else "rlimits"
+            )  # fmt: skip
+        self.isolation: str = mode
+        """The mode runs use: ``bwrap``, ``namespace`` or ``rlimits``."""
+        self.python, self.drops_root = _interpreter(self.config.python, drop)
+        """The interpreter runs use, and whether they run as ``nobody`` (see
+        ``Config.drop_root``: as root, a ``python`` that ``nobody`` cannot run is replaced by
+        the system's ``python3``; without one, runs stay root and the process limit is not
+        enforced)."""
 
+    # ------------------------------------------------------------------------------ public
     def run(
         self, code: str, *, stdin: str = "", files: Mapping[str, str | bytes] | None = None
     ) -> SandboxResult:
-        """Run ``code`` as ``__main__`` in a fresh directory holding ``files`` (relative paths)."""
-        wd = Path(tempfile.mkdtemp(prefix="rl-sandbox-")).resolve()
-        try:
-            for name, content in (files or {}).items():
-                rel = PurePosixPath(name)
-                if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-                    raise DataError(f"sandbox files: {name!r} must be a relative path inside it.")
-                dest = wd / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                data = content.encode() if isinstance(content, str) else content
-                dest.write_bytes(data)
-            main = "__sandbox_main__.py"
-            (wd / main).write_text(code, encoding="utf-8")
-            return self._run(wd, main, stdin)
-        finally:
-            shutil.rmtree(wd, ignore_errors=True)
+        """Run Python ``code`` as ``__main__`` in a fresh root holding ``files`` (relative
+        paths), with the audit hook on top of the isolation."""
+        with self.episode(files) as ep:
+            return ep.run(code, stdin=stdin)
 
     async def arun(
         self, code: str, *, stdin: str = "", files: Mapping[str, str | bytes] | None = None
@@ -261,7 +378,25 @@ class Sandbox:
         """:meth:`run` in a worker thread, for async rollouts."""
         return await asyncio.to_thread(self.run, code, stdin=stdin, files=files)
 
-    def _run(self, wd: Path, main: str, stdin: str) -> SandboxResult:
+    @contextlib.contextmanager
+    def episode(
+        self, files: Mapping[str, str | bytes] | None = None, *, root: Path | None = None
+    ) -> Iterator[Episode]:
+        """A private root for several runs (an agent episode), deleted on exit; ``root``
+        uses an existing directory instead (kept on exit)."""
+        ep = Episode(self, root)
+        try:
+            for name, content in (files or {}).items():
+                ep.write_file(name, content)
+            yield ep
+        finally:
+            ep.close()
+
+    # ------------------------------------------------------------------------------ launch
+    def launch(
+        self, root: Path, *, code_file: str | None = None, argv: Sequence[str] = (), stdin: str = ""
+    ) -> SandboxResult:
+        """Run ``code_file`` (Python, audit hook on) or ``argv`` (a command) in ``root``."""
         c = self.config
         mib = 1024 * 1024
         limits = [
@@ -271,16 +406,32 @@ class Sandbox:
             ("RLIMIT_NOFILE", c.max_open_files, c.max_open_files),
             ("RLIMIT_CORE", 0, 0),
         ]
-        ns = self.isolation == "namespace"
-        cfg = {"wd": str(wd), "main": main, "limits": limits, "check_ro": ns}
-        argv = [c.python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
-        if ns:
+        wd = str(root)
+        mode = self.isolation
+        cfg = {
+            "wd": wd,
+            "main": code_file,
+            "exec": list(argv) if code_file is None else None,
+            "limits": limits,
+            "nproc": c.max_processes,
+            "own_userns": mode != "rlimits",
+            "check_ro": mode != "rlimits",
+        }
+        inner = [self.python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
+        if mode == "bwrap":
+            argv_ = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev",
+                     "--proc", "/proc", "--tmpfs", "/tmp", "--bind", wd, wd, "--unshare-all",
+                     "--die-with-parent", "--chdir", wd, "--", *inner]  # fmt: skip
+        elif mode == "namespace":
             unshare = shutil.which("unshare") or "unshare"
-            argv = [unshare, "-rnm", "--propagation", "private", "sh", "-c", _NS_SCRIPT, "sh"]
-            argv += [str(wd), *[c.python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]]
+            argv_ = [unshare, "-rnm", "--propagation", "private", "sh", "-c", _NS_SCRIPT, "sh"]
+            argv_ += [wd, *inner]
+        else:
+            argv_ = inner
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(wd),
+            "HOME": wd,
+            "TMPDIR": wd,
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             **c.env,
@@ -288,13 +439,14 @@ class Sandbox:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             t0 = time.monotonic()
             proc = subprocess.Popen(
-                argv,
+                argv_,
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=err,
                 cwd=wd,
                 env=env,
                 start_new_session=True,
+                **_drop_root_kwargs(self.drops_root),
             )
             timed_out = False
             try:
@@ -309,17 +461,92 @@ class Sandbox:
             stdout, t1 = _read(out, c.max_output_bytes)
             stderr, t2 = _read(err, c.max_output_bytes)
         rc = proc.returncode
+        if mode == "bwrap" and rc is not None and rc > 128:
+            # bwrap's init exits 128 + n when the command died of signal n.
+            with contextlib.suppress(ValueError):
+                rc = -signal.Signals(rc - 128).value
         sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
+        if timed_out:
+            sig = "SIGKILL"
         return SandboxResult(
             stdout=stdout,
             stderr=stderr,
-            exit_code=rc if rc is not None and rc >= 0 else None,
+            exit_code=rc if rc is not None and rc >= 0 and not timed_out else None,
             signal=sig,
             timed_out=timed_out,
             duration_s=duration,
-            isolation=self.isolation,
+            isolation=mode,
             truncated=t1 or t2,
         )
+
+
+class Episode:
+    """A private root shared by several sandboxed runs (one agent episode): files written
+    by one command are there for the next. Made by :meth:`Sandbox.episode`."""
+
+    def __init__(self, sandbox: Sandbox, root: Path | None = None) -> None:
+        self.sandbox = sandbox
+        self._owned = root is None
+        self.root = Path(root or tempfile.mkdtemp(prefix="rl-sandbox-")).resolve()
+        """The episode's directory (working directory, ``HOME`` and ``TMPDIR`` of its runs)."""
+        self._runs = 0
+        _give_away(self.root, sandbox.drops_root)
+
+    def path(self, name: str) -> Path:
+        """``root / name`` for a relative path inside the root; DataError otherwise."""
+        rel = PurePosixPath(name)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise DataError(f"sandbox files: {name!r} must be a relative path inside it.")
+        return self.root / rel
+
+    def write_file(self, name: str, content: str | bytes) -> Path:
+        """Write a file into the root (a file-write tool); returns its path."""
+        dest = self.path(name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(content.encode() if isinstance(content, str) else content)
+        _give_away(self.root, self.sandbox.drops_root)
+        return dest
+
+    def read_file(self, name: str) -> str | None:
+        """A file's text, or ``None`` when it does not exist."""
+        p = self.path(name)
+        return p.read_text(errors="replace") if p.is_file() else None
+
+    def run(self, code: str, *, stdin: str = "") -> SandboxResult:
+        """Run Python ``code`` in the root (audit hook on)."""
+        self._runs += 1
+        name = f".sandbox_main_{self._runs}.py"
+        self.write_file(name, code)
+        try:
+            return self.sandbox.launch(self.root, code_file=name, stdin=stdin)
+        finally:
+            with contextlib.suppress(OSError):
+                (self.root / name).unlink()
+
+    def exec(self, argv: Sequence[str], *, stdin: str = "") -> SandboxResult:
+        """Run a command (``argv``) in the root."""
+        if not argv:
+            raise DataError("sandbox exec: empty command.")
+        return self.sandbox.launch(self.root, argv=argv, stdin=stdin)
+
+    def shell(self, command: str, *, stdin: str = "") -> SandboxResult:
+        """Run a shell command (``sh -c``) in the root (a shell tool)."""
+        return self.exec(["sh", "-c", command], stdin=stdin)
+
+    def close(self) -> None:
+        """Delete the root (when the episode made it)."""
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _give_away(root: Path, drop: bool) -> None:
+    """Make the root the code's own when it runs as ``nobody``."""
+    if not (drop and _is_root()):
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            with contextlib.suppress(OSError):
+                os.chown(name, NOBODY, NOBODY, follow_symlinks=False)
 
 
 def _kill_group(pgid: int) -> None:
@@ -331,3 +558,38 @@ def _read(f, limit: int) -> tuple[str, bool]:
     f.seek(0)
     data = f.read(limit + 1)
     return data[:limit].decode(errors="replace"), len(data) > limit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rl_agents.tools --root DIR [--config JSON] -- ARGV...``: run one
+    command in ``DIR`` under the sandbox; print its output; exit with its status."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m rl_agents.tools")
+    parser.add_argument("--root", required=True, help="the episode's root directory")
+    parser.add_argument("--config", default="{}", help="Sandbox.Config fields as JSON")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- command and arguments")
+    args = parser.parse_args(argv)
+    cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not cmd:
+        parser.error("give a command after --")
+    try:
+        config = Sandbox.Config(**json.loads(args.config))
+    except (TypeError, json.JSONDecodeError) as e:
+        parser.error(f"--config: {e}")
+    box = Sandbox(config)
+    with box.episode(root=Path(args.root)) as ep:
+        res = ep.exec(cmd, stdin="" if sys.stdin.isatty() else sys.stdin.read())
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    if res.timed_out:
+        sys.stderr.write(f"sandbox: killed after {config.timeout_s}s\n")
+        return 124
+    if res.signal is not None:
+        return 128 + signal.Signals[res.signal].value
+    return int(res.exit_code or 0)
+
+
+def config_json(config: Sandbox.Config) -> str:
+    """``config`` as the JSON the command line's ``--config`` takes."""
+    return json.dumps(asdict(config))

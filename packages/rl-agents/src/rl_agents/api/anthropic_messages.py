@@ -1,0 +1,248 @@
+"""Anthropic ``POST /v1/messages``: ``system``, text / ``tool_use`` / ``tool_result`` content
+blocks, ``tools`` with ``input_schema``, ``tool_choice``, ``stream`` and the stop reasons
+``end_turn``, ``max_tokens`` and ``tool_use``.
+
+Point the official client at the server's root (``anthropic.Anthropic(base_url=
+server.root_url, api_key=session_id)``): the client sends the key as ``x-api-key``, which names
+the session. The request is turned into OpenAI chat messages (the server's canonical form):
+``system`` becomes the system message, an assistant message's ``tool_use`` blocks its tool
+calls (the ids are the server's own, so the completion that made them is rendered back
+exactly), a user message's ``tool_result`` blocks ``tool`` messages (in order, before the
+user's text). ``tool_choice`` ``none`` disables tools; ``auto``, ``any`` and ``tool`` leave the
+choice to the model (the engine cannot force a call). ``stop_sequences`` and non-text blocks
+(images, documents, thinking) are refused with HTTP 400.
+
+Streaming is emulated like the chat surface: the completion is generated in full, then sent as
+``message_start``, one ``content_block_start`` / ``_delta`` (``text_delta`` or
+``input_json_delta``) / ``_stop`` per block, ``message_delta`` (stop reason, output tokens) and
+``message_stop``. A tool call whose arguments are not a JSON object is returned with its value
+under ``input["value"]`` (Anthropic's ``input`` is always an object).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rl_agents.api.common import (
+    ChatRequest,
+    Completion,
+    HTTPError,
+    number,
+    positive_int,
+    read_json,
+    sse,
+    text_of,
+)
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from rl_agents.server import AgentServer
+
+__all__ = ["handle", "parse", "to_message"]
+
+_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+_PIECE = 16
+
+
+def error_response(e: HTTPError) -> web.StreamResponse:
+    """Anthropic's error body."""
+    from aiohttp import web
+
+    kind = _ERROR_TYPES.get(e.status, "api_error")
+    body = {"type": "error", "error": {"type": kind, "message": e.message}}
+    return web.json_response(body, status=e.status)
+
+
+def parse(body: Mapping[str, Any]) -> ChatRequest:
+    """The canonical request of a Messages API body."""
+    if body.get("stop_sequences"):
+        raise HTTPError(
+            400,
+            "stop_sequences are not supported; the session's stop_token_ids apply",
+            "unsupported",
+            "stop_sequences",
+        )
+    max_tokens = positive_int(body.get("max_tokens"), "max_tokens")
+    if max_tokens is None:
+        raise HTTPError(400, "max_tokens: field required", "invalid_value", "max_tokens")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise HTTPError(400, "messages: must be a non-empty list", "invalid_value", "messages")
+    messages: list[dict[str, Any]] = []
+    system = text_of(body.get("system"), "system")
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(raw):
+        messages.extend(_message(i, m))
+    tools = None
+    if body.get("tools"):
+        tools = [_tool(i, t) for i, t in enumerate(body["tools"])]
+    choice = body.get("tool_choice") or {}
+    metadata = body.get("metadata") or {}
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tools_enabled=bool(tools)
+        and not (isinstance(choice, Mapping) and choice.get("type") == "none"),
+        max_tokens=max_tokens,
+        temperature=number(body.get("temperature"), "temperature"),
+        top_p=number(body.get("top_p"), "top_p"),
+        seed=None,
+        user=str(metadata["user_id"])
+        if isinstance(metadata, Mapping) and metadata.get("user_id")
+        else None,
+    )
+
+
+def _message(i: int, m: Any) -> list[dict[str, Any]]:
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
+        raise HTTPError(
+            400, f"{where}: expected role 'user' or 'assistant'", "invalid_value", where
+        )
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise HTTPError(
+            400, f"{where}.content: a string or a list of blocks", "invalid_value", where
+        )
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for k, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, Mapping) else None
+        at = f"{where}.content[{k}]"
+        if kind == "text":
+            texts.append(str(b.get("text", "")))
+        elif kind == "tool_use" and role == "assistant":
+            args = json.dumps(b.get("input") or {}, ensure_ascii=False)
+            fn = {"name": str(b.get("name", "")), "arguments": args}
+            calls.append({"id": b.get("id"), "type": "function", "function": fn})
+        elif kind == "tool_result" and role == "user":
+            text = text_of(b.get("content"), f"{at}.content")
+            if b.get("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
+        else:
+            raise HTTPError(
+                400,
+                f"{at}: block type {kind!r} is not supported in a {role} message (text, "
+                "tool_use in assistant messages, tool_result in user messages)",
+                "unsupported_content",
+                at,
+            )
+    if role == "assistant":
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            out["tool_calls"] = calls
+        return [out]
+    text = "".join(texts)
+    return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+def _tool(i: int, t: Any) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if (
+        not isinstance(t, Mapping)
+        or not isinstance(t.get("name"), str)
+        or t.get("type") not in (None, "custom")
+    ):
+        raise HTTPError(
+            400,
+            f"{where}: only client tools {{name, description, input_schema}} are supported",
+            "unsupported",
+            where,
+        )
+    fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+    if t.get("description"):
+        fn["description"] = t["description"]
+    return {"type": "function", "function": fn}
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = arguments
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def to_message(done: Completion, model: str, msg_id: str) -> dict[str, Any]:
+    """The Messages API response object of a completion."""
+    blocks: list[dict[str, Any]] = []
+    if done.parsed.content:
+        blocks.append({"type": "text", "text": done.parsed.content})
+    for c in done.parsed.tool_calls:
+        blocks.append(
+            {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
+        )
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": _STOP[done.finish],
+        "stop_sequence": None,
+        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
+    }
+
+
+async def handle(server: AgentServer, request: web.Request) -> web.StreamResponse:
+    """Serve one message (see the module docstring)."""
+    try:
+        body = await read_json(request)
+        req = parse(body)
+        session = server.session_of(request, req.user)
+        done = await server.complete(session, req)
+    except HTTPError as e:
+        return error_response(e)
+    from aiohttp import web
+
+    message = to_message(
+        done, str(body.get("model") or server.config.model_name), f"msg_{uuid.uuid4().hex}"
+    )
+    if not body.get("stream"):
+        return web.json_response(message)
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+
+    async def send(event: str, data: dict[str, Any]) -> None:
+        await resp.write(sse({"type": event, **data}, event))
+
+    start = {**message, "content": [], "stop_reason": None}
+    start["usage"] = {"input_tokens": done.prompt_tokens, "output_tokens": 0}
+    await send("message_start", {"message": start})
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            await send(
+                "content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}
+            )
+            text = block["text"]
+            for j in range(0, len(text), _PIECE):
+                delta = {"type": "text_delta", "text": text[j : j + _PIECE]}
+                await send("content_block_delta", {"index": i, "delta": delta})
+        else:
+            head = {**block, "input": {}}
+            await send("content_block_start", {"index": i, "content_block": head})
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            await send("content_block_delta", {"index": i, "delta": delta})
+        await send("content_block_stop", {"index": i})
+    await send(
+        "message_delta",
+        {
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+            "usage": {"output_tokens": done.completion_tokens},
+        },
+    )
+    await send("message_stop", {})
+    await resp.write_eof()
+    return resp

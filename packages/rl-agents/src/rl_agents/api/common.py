@@ -1,0 +1,136 @@
+"""What every API surface shares: the canonical request and completion, HTTP errors, SSE."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from rl_agents.chat import ParsedCompletion
+from rl_agents.session import TurnRecord
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+__all__ = [
+    "ChatRequest",
+    "Completion",
+    "HTTPError",
+    "number",
+    "positive_int",
+    "read_json",
+    "sse",
+    "text_of",
+]
+
+
+class HTTPError(Exception):
+    """A request the server refuses: HTTP ``status``, a message saying what to fix, a short
+    machine ``code`` and the request field at fault (``param``)."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatRequest:
+    """One completion request of any surface, in the server's canonical form."""
+
+    messages: list[dict[str, Any]]
+    """OpenAI chat messages (``system``/``user``/``assistant`` with ``tool_calls``/``tool``)."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI chat tool definitions (``{"type": "function", "function": {...}}``)."""
+    tools_enabled: bool = True
+    """False when the client disabled tools (``tool_choice`` none): calls are not parsed."""
+    max_tokens: int | None = None
+    """The client's output limit (only lowers the session's ``max_new_tokens``)."""
+    temperature: float | None = None
+    """Client temperature (used only with ``AgentServer.Config.client_sampling``)."""
+    top_p: float | None = None
+    """Client top-p (same rule)."""
+    seed: int | None = None
+    """Client seed (same rule)."""
+    user: str | None = None
+    """A session id given in the body (the last fallback of :meth:`AgentServer.session_of`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """One served, recorded completion, ready for a surface to write back."""
+
+    turn: TurnRecord
+    """The recorded turn (prompt ids, engine result)."""
+    parsed: ParsedCompletion
+    """Content and tool calls parsed from the sampled text."""
+    prompt_tokens: int
+    """Prompt length in tokens."""
+    finish: Literal["stop", "length", "tool_calls"]
+    """Why it ended, in OpenAI chat terms (each surface maps it to its own)."""
+
+    @property
+    def completion_tokens(self) -> int:
+        """Sampled tokens."""
+        return len(self.turn.result.output_ids)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body, or HTTP 400."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"request body is not JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object", "invalid_json")
+    return body
+
+
+def sse(data: Mapping[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event (with an ``event:`` line when named)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Text of ``content``: a string, ``None`` or a list of text parts of the given types."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, p in enumerate(content):
+            if not isinstance(p, Mapping) or p.get("type") not in kinds:
+                kind = p.get("type") if isinstance(p, Mapping) else p
+                raise HTTPError(
+                    400,
+                    f"{where}[{k}]: only {'/'.join(kinds)} parts are supported, got {kind!r}.",
+                    "unsupported_content",
+                    where,
+                )
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+    raise HTTPError(
+        400, f"{where}: expected a string or a list of text parts", "invalid_value", where
+    )
+
+
+def positive_int(value: Any, name: str) -> int | None:
+    """``value`` as a positive int (``None`` kept), or HTTP 400 naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HTTPError(
+            400, f"{name} must be a positive integer, got {value!r}", "invalid_value", name
+        )
+    return value
+
+
+def number(value: Any, name: str) -> float | None:
+    """``value`` as a float (``None`` kept), or HTTP 400 naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise HTTPError(400, f"{name} must be a number, got {value!r}", "invalid_value", name)
+    return float(value)

@@ -1,0 +1,286 @@
+"""OpenAI ``POST /v1/responses``: ``input`` (a string or a list of message, ``function_call``
+and ``function_call_output`` items), ``instructions``, function ``tools``, ``tool_choice``,
+``max_output_tokens``, ``previous_response_id`` and ``stream``.
+
+The input is turned into OpenAI chat messages (the server's canonical form): ``instructions``
+becomes the system message, ``developer`` messages are system messages, consecutive
+``function_call`` items join the assistant message before them as its tool calls (their
+``call_id`` is the server's own, so the completion that made them is rendered back exactly),
+and ``function_call_output`` items become ``tool`` messages. ``previous_response_id`` continues
+a response of the same session: its input and output come first (its ``instructions`` are not
+carried over, as in OpenAI's API). Built-in tools (web search, file search, ...), ``reasoning``
+items and non-text content are refused with HTTP 400.
+
+The output holds a ``message`` item (when there is text) and one ``function_call`` item per
+call; ``status`` is ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
+when the engine hit its length limit. Streaming is emulated: ``response.created``,
+``response.in_progress``, per item ``response.output_item.added`` / text or argument deltas /
+``...done`` events, then ``response.completed`` (or ``response.incomplete``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rl_agents.api.common import (
+    ChatRequest,
+    Completion,
+    HTTPError,
+    number,
+    positive_int,
+    read_json,
+    sse,
+    text_of,
+)
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from rl_agents.server import AgentServer
+
+__all__ = ["handle", "parse", "to_response"]
+
+_TEXT_KINDS = ("input_text", "output_text", "text")
+_PIECE = 16
+
+
+def error_response(e: HTTPError) -> web.StreamResponse:
+    """OpenAI's error body."""
+    from aiohttp import web
+
+    err = {"message": e.message, "type": "invalid_request_error", "param": e.param, "code": e.code}
+    return web.json_response({"error": err}, status=e.status)
+
+
+def parse(body: Mapping[str, Any], history: list[dict[str, Any]]) -> ChatRequest:
+    """The canonical request of a Responses API body; ``history`` is the conversation of
+    ``previous_response_id`` (empty without one)."""
+    raw = body.get("input")
+    items: list[Any]
+    if isinstance(raw, str):
+        items = [{"role": "user", "content": raw}]
+    elif isinstance(raw, list) and raw:
+        items = raw
+    else:
+        raise HTTPError(
+            400, "input: a string or a non-empty list of items", "invalid_value", "input"
+        )
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions:
+        messages.append({"role": "system", "content": text_of(instructions, "instructions")})
+    messages += [dict(m) for m in history]
+    for i, item in enumerate(items):
+        _item(i, item, messages)
+    tools = [_tool(i, t) for i, t in enumerate(body.get("tools") or [])] or None
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tools_enabled=bool(tools) and body.get("tool_choice", "auto") != "none",
+        max_tokens=positive_int(body.get("max_output_tokens"), "max_output_tokens"),
+        temperature=number(body.get("temperature"), "temperature"),
+        top_p=number(body.get("top_p"), "top_p"),
+    )
+
+
+def _item(i: int, item: Any, messages: list[dict[str, Any]]) -> None:
+    where = f"input[{i}]"
+    if not isinstance(item, Mapping):
+        raise HTTPError(400, f"{where}: expected an object", "invalid_value", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise HTTPError(400, f"{where}.role: unknown role {role!r}", "invalid_value", where)
+        text = text_of(item.get("content"), f"{where}.content", _TEXT_KINDS)
+        messages.append({"role": "system" if role == "developer" else role, "content": text})
+    elif kind == "function_call":
+        call = {
+            "id": item.get("call_id"),
+            "type": "function",
+            "function": {
+                "name": str(item.get("name", "")),
+                "arguments": item.get("arguments") or "{}",
+            },
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out = item.get("output")
+        text = out if isinstance(out, str) else text_of(out, f"{where}.output", _TEXT_KINDS)
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+    else:
+        raise HTTPError(
+            400,
+            f"{where}: item type {kind!r} is not supported (message, function_call, "
+            "function_call_output)",
+            "unsupported_content",
+            where,
+        )
+
+
+def _tool(i: int, t: Any) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if (
+        not isinstance(t, Mapping)
+        or t.get("type") != "function"
+        or not isinstance(t.get("name"), str)
+    ):
+        raise HTTPError(400, f"{where}: only function tools are supported", "unsupported", where)
+    fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
+    if t.get("description"):
+        fn["description"] = t["description"]
+    return {"type": "function", "function": fn}
+
+
+def to_response(done: Completion, body: Mapping[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """The Responses API object of a completion."""
+    output: list[dict[str, Any]] = []
+    if done.parsed.content:
+        part = {"type": "output_text", "text": done.parsed.content, "annotations": []}
+        output.append(
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [part],
+            }
+        )
+    for c in done.parsed.tool_calls:
+        output.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{uuid.uuid4().hex}",
+                "call_id": c.id,
+                "name": c.name,
+                "arguments": c.arguments,
+                "status": "completed",
+            }
+        )
+    incomplete = done.finish == "length" and not done.parsed.tool_calls
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None,
+        "model": model,
+        "output": output,
+        "instructions": body.get("instructions"),
+        "previous_response_id": body.get("previous_response_id"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "parallel_tool_calls": True,
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": list(body.get("tools") or []),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "usage": {
+            "input_tokens": done.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": done.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+        },
+    }
+
+
+def _history_of(req: ChatRequest, done: Completion, instructions: bool) -> list[dict[str, Any]]:
+    """The conversation a later ``previous_response_id`` continues: the input (without the
+    instructions) and the assistant's reply."""
+    messages = req.messages[1:] if instructions else list(req.messages)
+    reply: dict[str, Any] = {"role": "assistant", "content": done.parsed.content}
+    if done.parsed.tool_calls:
+        reply["tool_calls"] = [c.to_openai() for c in done.parsed.tool_calls]
+    return [*messages, reply]
+
+
+async def handle(server: AgentServer, request: web.Request) -> web.StreamResponse:
+    """Serve one response (see the module docstring)."""
+    try:
+        body = await read_json(request)
+        user = body.get("user")
+        session = server.session_of(request, user if isinstance(user, str) else None)
+        prev = body.get("previous_response_id")
+        history: list[dict[str, Any]] = []
+        if prev is not None:
+            if prev not in session.responses:
+                raise HTTPError(
+                    404,
+                    f"previous_response_id {prev!r} is not a response of session {session.id!r}",
+                    "response_not_found",
+                    "previous_response_id",
+                )
+            history = session.responses[prev]
+        req = parse(body, history)
+        done = await server.complete(session, req)
+    except HTTPError as e:
+        return error_response(e)
+    from aiohttp import web
+
+    rid = f"resp_{uuid.uuid4().hex}"
+    session.responses[rid] = _history_of(req, done, bool(body.get("instructions")))
+    response = to_response(done, body, str(body.get("model") or server.config.model_name), rid)
+    if not body.get("stream"):
+        return web.json_response(response)
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    seq = 0
+
+    async def send(event: str, data: dict[str, Any]) -> None:
+        nonlocal seq
+        await resp.write(sse({"type": event, "sequence_number": seq, **data}, event))
+        seq += 1
+
+    pending = {**response, "status": "in_progress", "output": [], "incomplete_details": None}
+    await send("response.created", {"response": pending})
+    await send("response.in_progress", {"response": pending})
+    for n, item in enumerate(response["output"]):
+        ids = {"item_id": item["id"], "output_index": n}
+        if item["type"] == "message":
+            await send(
+                "response.output_item.added",
+                {"output_index": n, "item": {**item, "status": "in_progress", "content": []}},
+            )
+            part = item["content"][0]
+            await send(
+                "response.content_part.added",
+                {**ids, "content_index": 0, "part": {**part, "text": ""}},
+            )
+            text = part["text"]
+            for j in range(0, len(text), _PIECE):
+                await send(
+                    "response.output_text.delta",
+                    {**ids, "content_index": 0, "delta": text[j : j + _PIECE], "logprobs": []},
+                )
+            await send(
+                "response.output_text.done",
+                {**ids, "content_index": 0, "text": text, "logprobs": []},
+            )
+            await send("response.content_part.done", {**ids, "content_index": 0, "part": part})
+        else:
+            await send(
+                "response.output_item.added",
+                {"output_index": n, "item": {**item, "status": "in_progress", "arguments": ""}},
+            )
+            await send(
+                "response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}
+            )
+            await send(
+                "response.function_call_arguments.done",
+                {**ids, "name": item["name"], "arguments": item["arguments"]},
+            )
+        await send("response.output_item.done", {"output_index": n, "item": item})
+    final = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    await send(final, {"response": response})
+    await resp.write_eof()
+    return resp
