@@ -124,10 +124,11 @@ def test_replay_gives_bitwise_the_same_weights(dumped_run, tmp_path):
 def test_replay_of_an_async_run_is_bitwise_too(tmp_path, tiny_recipe_dict):
     """Async generation (rounds one version stale) and sample traces in the original run;
     the replay trains synchronously on the dumped groups and ends on the same weights."""
-    (tmp_path / "reward.py").write_text(REWARD)
+    # Its own module name: the module-scoped run above already imported a "reward" module.
+    (tmp_path / "async_reward.py").write_text(REWARD)
     recipe = tiny_recipe_dict(
         tmp_path / "run",
-        reward={"type": f"{tmp_path / 'reward.py'}:reward"},
+        reward={"type": f"{tmp_path / 'async_reward.py'}:reward"},
         policy={"type": "hf", "lr": 0.01},
         rl={"steps": 3, "async_generation": True, "max_staleness": 1},
         logging={"tensorboard": False, "progress": False, "samples_every": 1},
