@@ -246,3 +246,23 @@ def test_external_attach_does_not_own(
     asyncio.run(gen.close())
     assert all(p is not None and p.alive() for p in owner.server_processes)
     assert asyncio.run(owner.health())
+
+
+def test_routing_refused_on_dense_model(
+    attach: Callable[..., SGLangGenerator], sglang_python: str, tiny_model: Path
+) -> None:
+    """A dense model has no routing: ``return_routing`` is refused with a GenerationError naming
+    rollout.routing_replay, and ``capture_routing`` on a dense checkpoint is a ConfigError."""
+    from rl_core.errors import ConfigError, GenerationError
+
+    gen = attach()
+    assert not gen.supports_routing
+    req = GenerationRequest(request_id="r", input_ids=P, return_routing=True)
+    with pytest.raises(GenerationError, match="routing_replay"):
+        asyncio.run(gen.generate([req]))
+    with pytest.raises(ConfigError, match="capture_routing"):
+        SGLangGenerator(
+            SGLangGenerator.Config(
+                model_path=str(tiny_model), python=sglang_python, capture_routing=True
+            )
+        )

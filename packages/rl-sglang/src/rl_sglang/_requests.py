@@ -15,6 +15,7 @@ import aiohttp
 
 from rl_core.errors import GenerationError
 from rl_core.types import FinishReason, GenerationRequest, GenerationResult
+from rl_sglang._routing import decode_routing
 from rl_sglang._state import _FINISH, _GeneratorState, _Live, _Retry, _Server
 
 log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as before the split
@@ -48,6 +49,11 @@ class _RequestsMixin(_GeneratorState):
                     f"SGLangGenerator.generate: request {r.request_id!r} has stop ids, but "
                     "generator.stop_on_eos=false sends SGLang's ignore_eos, which ignores every "
                     "stop id; set stop_on_eos=true or drop the stop ids."
+                )
+            if r.return_routing and not self.supports_routing:
+                raise GenerationError(
+                    f"SGLangGenerator.generate: request {r.request_id!r} asks for the expert "
+                    f"routing (rollout.routing_replay), but {self._routing_refusal()}"
                 )
             seeds.append(
                 r.sampling.seed if r.sampling.seed is not None else self._seed_rng.getrandbits(62)
@@ -95,13 +101,30 @@ class _RequestsMixin(_GeneratorState):
             "ignore_eos": not self.config.stop_on_eos,
             "skip_special_tokens": False,
         }
-        return {
+        body: dict[str, Any] = {
             "rid": rid,
             "input_ids": list(req.input_ids),
             "sampling_params": params,
             "return_logprob": True,
             "logprob_start_len": -1,
         }
+        if req.return_routing:
+            body["return_routed_experts"] = True
+        return body
+
+    def _routing_refusal(self) -> str:
+        """Why this generator cannot return routing (for error messages)."""
+        if self.routing_layout is None:
+            return (
+                "the served model is not a mixture-of-experts checkpoint this generator can read "
+                "(config.json has no num_experts / num_experts_per_tok); set "
+                "rollout.routing_replay=off."
+            )
+        return (
+            "the SGLang servers were not launched with --enable-return-routed-experts; set "
+            "SGLangGenerator.Config.capture_routing=true (or start the attached servers with "
+            "that flag)."
+        )
 
     def _aborted_result(self, req: GenerationRequest) -> GenerationResult:
         return GenerationResult(
@@ -227,6 +250,7 @@ class _RequestsMixin(_GeneratorState):
         reason = _FINISH.get(str(kind))
         if reason is None:
             raise _Retry(f"{req.request_id}: unknown finish reason {finish!r}")
+        routing = self._parse_routing(req, meta, len(req.input_ids) + len(ids), reason)
         self.stats["requests"] += 1
         return GenerationResult(
             request_id=req.request_id,
@@ -234,7 +258,27 @@ class _RequestsMixin(_GeneratorState):
             output_logprobs=lps,
             finish_reason=reason,
             weight_version=version,
+            routed_experts=routing,
         )
+
+    def _parse_routing(
+        self, req: GenerationRequest, meta: dict[str, Any], num_tokens: int, reason: FinishReason
+    ) -> Any:
+        if not req.return_routing:
+            return None
+        payload = meta.get("routed_experts")
+        if not payload:
+            if reason is FinishReason.ABORT:
+                return None  # aborted before the model ran: nothing was routed
+            raise _Retry(f"{req.request_id}: the response carries no routed_experts")
+        assert self.routing_layout is not None  # generate() refuses routing without a layout
+        try:
+            return decode_routing(payload, self.routing_layout, num_tokens)
+        except ValueError as e:
+            raise GenerationError(
+                f"SGLangGenerator: request {req.request_id!r}: cannot read the server's "
+                f"routed_experts ({e}); does model_path match the served model?"
+            ) from e
 
     def _response_version(
         self, meta: dict[str, Any], req: GenerationRequest, server: _Server | None

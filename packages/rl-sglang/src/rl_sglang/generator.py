@@ -58,6 +58,7 @@ from rl_sglang._control import _ControlMixin
 from rl_sglang._http import _HTTPMixin
 from rl_sglang._io import IOLoop
 from rl_sglang._requests import _RequestsMixin
+from rl_sglang._routing import RoutingLayout
 from rl_sglang._state import PAUSE_MODES, _Live, _Server
 from rl_sglang._weights import _WeightsMixin
 from rl_sglang.server import (
@@ -83,6 +84,9 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
     """:meth:`pause` holds new requests server-side (in-flight ones per ``pause_mode``)."""
     supports_memory_release: ClassVar[bool] = False
     """Off: memory release needs a GPU and crashes a CPU server. On GPU, instances set it."""
+    supports_routing: ClassVar[bool] = True
+    """SGLang records mixture-of-experts routing (``return_routed_experts``); an instance says
+    ``False`` unless it serves a MoE model with capture on (``Config.capture_routing``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -142,6 +146,10 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         """Seeds the seeds of requests that carry none."""
         initial_version: NonNegInt = 0
         """Weight version of the starting weights (stamped on the servers)."""
+        capture_routing: bool = False
+        """Launch the servers with ``--enable-return-routed-experts`` so requests with
+        ``return_routing`` get the experts a mixture-of-experts model chose for every token
+        (``GenerationResult.routed_experts``); ``model_path`` must be a MoE checkpoint."""
 
         def __post_init__(self) -> None:
             if not self.server_urls and not self.model_path:
@@ -200,9 +208,20 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         else:
             self.log_dir = Path(c.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.server_args = (
-            ServerArgs.validate(c.server_args, python=self.python) if self.owned else {}
-        )
+        self.routing_layout: RoutingLayout | None = None
+        """Where the served model's MoE layers are (``None``: a dense model)."""
+        if self.owned:
+            self.routing_layout = RoutingLayout.from_model_dir(Path(c.model_path))
+            if c.capture_routing and self.routing_layout is None:
+                raise ConfigError(
+                    f"SGLangGenerator.Config.capture_routing: {c.model_path}/config.json is not "
+                    "a mixture-of-experts model (no num_experts / num_experts_per_tok); turn "
+                    "capture_routing off or serve a MoE checkpoint."
+                )
+        args = dict(c.server_args)
+        if c.capture_routing:
+            args["enable_return_routed_experts"] = True
+        self.server_args = ServerArgs.validate(args, python=self.python) if self.owned else {}
         """The validated SGLang server arguments (launched servers only)."""
         self.stats: dict[str, int] = {
             "requests": 0,
@@ -236,6 +255,10 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
             self._finalizer()
             raise
         model_dir = self._model_dir()
+        if self.routing_layout is None:
+            self.routing_layout = RoutingLayout.from_model_dir(model_dir)
+        captures = bool(getattr(self, "_server_info", {}).get("enable_return_routed_experts"))
+        self.supports_routing = captures and self.routing_layout is not None  # type: ignore[misc]
         self.vocab_size: int | None = _vocab_size(model_dir)
         """Rows of the served model's LM head (``None`` if the checkpoint is not readable)."""
         eos = _eos_ids(model_dir) if c.stop_on_eos else ()
