@@ -26,6 +26,16 @@ from rl_sglang import SGLangGenerator, _cpu_support
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests when CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
     """Run scripts/setup_sglang_env.sh (fast when cached); the SGLang venv's interpreter."""

@@ -4,13 +4,12 @@ SGLang's own parser, and the refusal of contradictory settings. No server is sta
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 
 from rl_core.config import from_dict
-from rl_core.errors import ConfigError, GenerationError
+from rl_core.errors import ConfigError
 from rl_sglang import ServerArgs, SGLangGenerator, server_argv
 from rl_sglang._launch import check_gpu_budget, typed_server_args, visible_gpus
 
@@ -80,6 +79,10 @@ def test_typed_options_are_real_sglang_flags(sglang_python: str) -> None:
         cuda_graph_max_bs=32,
         enable_memory_saver=True,
         capture_routing=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        lora_target_modules=("q_proj", "o_proj"),
+        max_loras_per_batch=4,
     )
     args = typed_server_args(c, 1)
     assert set(args) == {
@@ -90,6 +93,10 @@ def test_typed_options_are_real_sglang_flags(sglang_python: str) -> None:
         "cuda_graph_max_bs_decode",
         "enable_memory_saver",
         "enable_return_routed_experts",
+        "enable_lora",
+        "max_lora_rank",
+        "lora_target_modules",
+        "max_loras_per_batch",
     }
     ServerArgs.validate(args, python=sglang_python)
     off = typed_server_args(_cfg(device="cuda", disable_cuda_graph=True), 0)
@@ -166,14 +173,24 @@ def test_generator_refuses_gpu_budget_before_launching(
         SGLangGenerator(_cfg(device="cuda", python=sglang_python, num_servers=2, tp_size=2))
 
 
-def test_memory_release_refused_without_memory_saver() -> None:
-    """release/resume on a generator whose servers cannot release is a GenerationError (no
-    request reaches a server: on CPU the call would kill it); bad tags are refused first."""
-    gen = SGLangGenerator.__new__(SGLangGenerator)
-    gen.supports_memory_release = False  # type: ignore[misc]
-    with pytest.raises(GenerationError, match="tags"):
-        asyncio.run(gen.release_memory(["weights", "activations"]))
-    with pytest.raises(GenerationError, match="enable_memory_saver"):
-        asyncio.run(gen.release_memory(["weights"]))
-    with pytest.raises(GenerationError, match="enable_memory_saver"):
-        asyncio.run(gen.resume_memory())
+def test_lora_options() -> None:
+    """LoRA flags come from the typed fields (torch_native backend added on CPU), enable_lora
+    needs a rank and target modules, and LoRA options without enable_lora are refused."""
+    from rl_sglang._cpu_support import cpu_server_args
+
+    c = _cfg(enable_lora=True, max_lora_rank=16, lora_target_modules=("q_proj", "v_proj"))
+    args = typed_server_args(c, 0)
+    assert args == {
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "lora_target_modules": ["q_proj", "v_proj"],
+    }
+    line = " ".join(_argv(c, 0))
+    assert "--enable-lora --max-lora-rank 16 --lora-target-modules q_proj v_proj" in line
+    assert cpu_server_args(args)["lora_backend"] == "torch_native"
+    with pytest.raises(ConfigError, match="enable_lora: needs max_lora_rank"):
+        _cfg(enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ConfigError, match="max_lora_rank: a LoRA option"):
+        _cfg(max_lora_rank=8)
+    with pytest.raises(ConfigError, match=r"server_args\.enable_lora: set by the typed field"):
+        _cfg(server_args={"enable_lora": True})

@@ -125,4 +125,6 @@ def cpu_server_args(server_args: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(server_args)
     out.setdefault("max_total_tokens", CPU_DEFAULT_MAX_TOTAL_TOKENS)
     out.setdefault("dtype", "float32")
+    if out.get("enable_lora"):
+        out.setdefault("lora_backend", "torch_native")  # the default (csgmv) runs Triton kernels
     return out

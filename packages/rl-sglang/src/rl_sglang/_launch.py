@@ -12,6 +12,8 @@ The typed fields map to SGLang 0.5.23 flags (read from its parser):
 ``cuda_graph_max_bs``      ``--cuda-graph-max-bs-decode``
 ``enable_memory_saver``    ``--enable-memory-saver`` (needed by release/resume of memory)
 ``capture_routing``        ``--enable-return-routed-experts``
+``enable_lora`` ...        ``--enable-lora --max-lora-rank --lora-target-modules``
+                           (``--max-loras-per-batch``); on CPU ``--lora-backend torch_native``
 ``base_gpu_id``            ``--base-gpu-id``: server ``i`` of this node starts at
                            ``base_gpu_id + i * tp_size * dp_size``, so servers never share a GPU
 =========================  ==================================================================
@@ -47,6 +49,10 @@ TYPED_SERVER_ARGS: Mapping[str, str] = {
     "enable_memory_saver": "enable_memory_saver",
     "enable_return_routed_experts": "capture_routing",
     "base_gpu_id": "base_gpu_id",
+    "enable_lora": "enable_lora",
+    "max_lora_rank": "max_lora_rank",
+    "lora_target_modules": "lora_target_modules",
+    "max_loras_per_batch": "max_loras_per_batch",
 }
 """SGLang ``ServerArgs`` fields set from a typed config field (``server_args`` key -> field)."""
 
@@ -70,6 +76,12 @@ def typed_server_args(config: SGLangGenerator.Config, index: int) -> dict[str, A
         out["enable_memory_saver"] = True
     if config.capture_routing:
         out["enable_return_routed_experts"] = True
+    if config.enable_lora:
+        out["enable_lora"] = True
+        out["max_lora_rank"] = config.max_lora_rank
+        out["lora_target_modules"] = list(config.lora_target_modules)
+        if config.max_loras_per_batch is not None:
+            out["max_loras_per_batch"] = config.max_loras_per_batch
     if config.device == "cuda":
         first = config.base_gpu_id + index * config.tp_size * config.dp_size
         if first:

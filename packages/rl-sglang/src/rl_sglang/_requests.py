@@ -24,12 +24,22 @@ log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as bef
 class _RequestsMixin(_GeneratorState):
     """``generate``: dispatch to the least-loaded server, retry transient failures, parse responses."""
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Serve ``requests`` (concurrently, bounded per server); results in request order."""
+    async def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        lora_adapter: str | Sequence[str | None] | None = None,
+    ) -> list[GenerationResult]:
+        """Serve ``requests`` (concurrently, bounded per server); results in request order.
+
+        ``lora_adapter``: the loaded LoRA adapter to run every request with, or one name (or
+        ``None`` for the base model) per request; ``None``: ``default_lora_adapter``.
+        """
         if self._closed:
             raise GenerationError("SGLangGenerator.generate: the generator is closed.")
         if not requests:
             return []
+        adapters = self._adapters_for(requests, lora_adapter)  # type: ignore[attr-defined]
         seeds = []
         for r in requests:
             if not r.input_ids:
@@ -61,10 +71,14 @@ class _RequestsMixin(_GeneratorState):
         # An abort-all issued after this call started covers its requests even if they are not
         # registered on the I/O loop yet (a loaded machine can delay that past the abort).
         epoch = self._abort_epoch
-        return await self._io.run(self._generate_all(list(requests), seeds, epoch))
+        return await self._io.run(self._generate_all(list(requests), seeds, adapters, epoch))
 
     async def _generate_all(
-        self, requests: list[GenerationRequest], seeds: list[int], epoch: int
+        self,
+        requests: list[GenerationRequest],
+        seeds: list[int],
+        adapters: list[str | None],
+        epoch: int,
     ) -> list[GenerationResult]:
         lives = []
         for r in requests:
@@ -75,7 +89,10 @@ class _RequestsMixin(_GeneratorState):
         try:
             return list(
                 await asyncio.gather(
-                    *(self._one(r, s, lv) for r, s, lv in zip(requests, seeds, lives))
+                    *(
+                        self._one(r, s, a, lv)
+                        for r, s, a, lv in zip(requests, seeds, adapters, lives)
+                    )
                 )
             )
         finally:
@@ -87,7 +104,9 @@ class _RequestsMixin(_GeneratorState):
                     if not group:
                         del self._live[lv.request_id]
 
-    def _payload(self, req: GenerationRequest, seed: int, rid: str) -> dict[str, Any]:
+    def _payload(
+        self, req: GenerationRequest, seed: int, rid: str, adapter: str | None = None
+    ) -> dict[str, Any]:
         s = req.sampling
         stops = sorted(set(s.stop_token_ids) | set(self.default_stop_ids))
         params: dict[str, Any] = {
@@ -110,6 +129,8 @@ class _RequestsMixin(_GeneratorState):
         }
         if req.return_routing:
             body["return_routed_experts"] = True
+        if adapter is not None:
+            body["lora_path"] = adapter  # SGLang resolves a loaded adapter by its name
         return body
 
     def _routing_refusal(self) -> str:
@@ -146,13 +167,15 @@ class _RequestsMixin(_GeneratorState):
                 raise _Retry("no SGLang server in rotation")
             await asyncio.sleep(0.2)
 
-    async def _one(self, req: GenerationRequest, seed: int, live: _Live) -> GenerationResult:
+    async def _one(
+        self, req: GenerationRequest, seed: int, adapter: str | None, live: _Live
+    ) -> GenerationResult:
         attempt = 0
         while True:
             if live.aborted:
                 return self._aborted_result(req)
             try:
-                return await self._attempt(req, seed, live, attempt)
+                return await self._attempt(req, seed, adapter, live, attempt)
             except _Retry as e:
                 attempt += 1
                 if live.aborted:
@@ -173,7 +196,7 @@ class _RequestsMixin(_GeneratorState):
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
 
     async def _attempt(
-        self, req: GenerationRequest, seed: int, live: _Live, attempt: int
+        self, req: GenerationRequest, seed: int, adapter: str | None, live: _Live, attempt: int
     ) -> GenerationResult:
         via_router = self.router_url is not None
         server = None if via_router else await self._pick()
@@ -192,7 +215,7 @@ class _RequestsMixin(_GeneratorState):
                 self._post(
                     url,
                     "/generate",
-                    self._payload(req, seed, rid),
+                    self._payload(req, seed, rid, adapter),
                     timeout=self.config.request_timeout_s,
                 )
             )

@@ -69,6 +69,9 @@ class _GeneratorState:
     default_stop_ids: tuple[int, ...]
     routing_layout: RoutingLayout | None
     supports_routing: bool
+    supports_lora: bool
+    _lora: dict[str, str]
+    _default_lora: str | None
     _version: int
     _updating: bool
     _paused: str | None

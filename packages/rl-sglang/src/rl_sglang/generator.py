@@ -71,6 +71,7 @@ from rl_sglang._launch import (
     typed_server_args,
     visible_gpus,
 )
+from rl_sglang._lora import _LoRAMixin
 from rl_sglang._requests import _RequestsMixin
 from rl_sglang._routing import RoutingLayout
 from rl_sglang._state import PAUSE_MODES, _Live, _Server
@@ -89,7 +90,9 @@ __all__ = ["PAUSE_MODES", "SGLangGenerator"]
 log = logging.getLogger(__name__)
 
 
-class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, Generator):
+class SGLangGenerator(
+    _RequestsMixin, _ControlMixin, _WeightsMixin, _LoRAMixin, _HTTPMixin, Generator
+):
     """Rollout on SGLang servers (launched or attached), optionally behind the SGLang router."""
 
     supports_abort: ClassVar[bool] = True
@@ -182,6 +185,17 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         cuda_graph_max_bs: PositiveInt | None = None
         """Largest decode batch captured as a CUDA graph (``--cuda-graph-max-bs-decode``;
         CUDA only); ``None``: SGLang's default."""
+        enable_lora: bool = False
+        """Launch with SGLang's multi-LoRA serving: adapters are loaded by name
+        (:meth:`load_lora_adapter`) and picked per request; needs ``max_lora_rank`` and
+        ``lora_target_modules``."""
+        max_lora_rank: PositiveInt | None = None
+        """Largest adapter rank the servers accept (``--max-lora-rank``)."""
+        lora_target_modules: tuple[str, ...] = ()
+        """Modules adapters may target (``--lora-target-modules``: ``q_proj``, ``v_proj``, ...,
+        or ``all``)."""
+        max_loras_per_batch: PositiveInt | None = None
+        """Adapters one running batch may mix, the base model counted (SGLang default 8)."""
         enable_memory_saver: bool = False
         """Launch with ``--enable-memory-saver`` so :meth:`release_memory` /
         :meth:`resume_memory` can free the GPU for a colocated trainer (CUDA only)."""
@@ -247,6 +261,25 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
                         f"set device='cuda' or drop {', '.join(bad)}; use num_servers for "
                         "more CPU servers)."
                     )
+            lora_set = {
+                "max_lora_rank": self.max_lora_rank is not None,
+                "lora_target_modules": bool(self.lora_target_modules),
+                "max_loras_per_batch": self.max_loras_per_batch is not None,
+            }
+            if self.enable_lora and not (
+                lora_set["max_lora_rank"] and lora_set["lora_target_modules"]
+            ):
+                raise ConfigError(
+                    f"{where}.enable_lora: needs max_lora_rank and lora_target_modules (SGLang "
+                    "sizes its adapter memory from them), e.g. max_lora_rank=16, "
+                    "lora_target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
+                )
+            stray = [k for k, v in lora_set.items() if v and not self.enable_lora]
+            if stray:
+                raise ConfigError(
+                    f"{where}.{stray[0]}: a LoRA option, but enable_lora is false; set "
+                    "enable_lora=true or drop it."
+                )
             if self.disable_cuda_graph and self.cuda_graph_max_bs is not None:
                 raise ConfigError(
                     f"{where}.cuda_graph_max_bs: sizes CUDA graphs, but disable_cuda_graph is "
@@ -335,6 +368,10 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         info = getattr(self, "_server_info", {})
         captures = bool(info.get("enable_return_routed_experts"))
         self.supports_routing = captures and self.routing_layout is not None  # type: ignore[misc]
+        self.supports_lora: bool = bool(info.get("enable_lora"))
+        """The servers serve LoRA adapters (launched with ``enable_lora``)."""
+        self._lora: dict[str, str] = {}
+        self._default_lora: str | None = None
         self.supports_memory_release = (  # type: ignore[misc]
             bool(info.get("enable_memory_saver")) and str(info.get("device")) != "cpu"
         )

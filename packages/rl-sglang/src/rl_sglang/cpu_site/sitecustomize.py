@@ -14,6 +14,12 @@ Patches (each names the SGLang code it replaces):
   with ``pin_memory=True`` through ``alloc_with_host_register``, which calls
   ``torch.cuda.cudart()`` (``_cuda_host_register``) and kills a CPU server with "Found no NVIDIA
   driver on your system". On CPU there is nothing to pin: allocate the plain tensor.
+- ``torch`` (in the server process only): pinned host memory (``pin_memory=True`` on the tensor
+  factories, ``Tensor.pin_memory()``) needs a CUDA driver; without a GPU it raises "Found no NVIDIA
+  driver". SGLang's LoRA layers pin small index tensors at start-up
+  (``sglang/srt/lora/layers.py:475``, ``ColumnParallelLinearWithLoRA.__init__``), and its LoRA
+  memory pool pins adapter weights. Pinning only speeds up host-to-GPU copies, so on a machine
+  without CUDA the patch makes it a no-op (the tensor stays in ordinary host memory).
 """
 
 from __future__ import annotations
@@ -42,8 +48,30 @@ def _unpinned_host_alloc(module: ModuleType) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = alloc_unpinned
 
 
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided")
+
+
+def _no_pinning_without_cuda(torch: ModuleType) -> None:
+    if torch.cuda.is_available():
+        return
+
+    def unpinned(factory: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = factory.__name__
+        call.__doc__ = factory.__doc__
+        return call
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.common": _unpinned_host_alloc,
+    "torch": _no_pinning_without_cuda,
 }
 """Module name -> function that patches it right after it is executed."""
 
