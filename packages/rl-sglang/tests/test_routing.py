@@ -108,3 +108,34 @@ def test_prefix_cached_prompt_tokens_keep_their_routing(moe_gen: SGLangGenerator
     n = len(P)
     assert torch.equal(first.routed_experts[:n], again.routed_experts[:n])
     assert again.routed_experts.shape[0] == n + len(again.output_ids)
+
+
+def test_routing_requests_bypass_the_router(moe_gen: SGLangGenerator) -> None:
+    """Behind sglang-router (which drops ``return_routed_experts`` from what it forwards),
+    requests asking for routing still get it, equal to the direct answer; others go through the
+    router."""
+    gen = SGLangGenerator(
+        SGLangGenerator.Config(
+            server_urls=tuple(moe_gen.server_urls),
+            python=moe_gen.python,
+            use_router=True,
+            health_interval_s=0,
+        )
+    )
+    try:
+        assert gen.router_url is not None and gen.supports_routing
+        req = GenerationRequest(
+            request_id="via-router",
+            input_ids=P,
+            sampling=SamplingParams(max_new_tokens=4, temperature=0.0),
+            return_routing=True,
+        )
+        (routed,) = asyncio.run(gen.generate([req]))
+        (direct,) = asyncio.run(moe_gen.generate([req]))
+        assert routed.routed_experts is not None and direct.routed_experts is not None
+        assert routed.output_ids == direct.output_ids
+        assert torch.equal(routed.routed_experts, direct.routed_experts)
+        plain = GenerationRequest(request_id="plain", input_ids=P)
+        assert asyncio.run(gen.generate([plain]))[0].routed_experts is None
+    finally:
+        asyncio.run(gen.close())

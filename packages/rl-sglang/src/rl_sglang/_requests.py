@@ -198,7 +198,10 @@ class _RequestsMixin(_GeneratorState):
     async def _attempt(
         self, req: GenerationRequest, seed: int, adapter: str | None, live: _Live, attempt: int
     ) -> GenerationResult:
-        via_router = self.router_url is not None
+        # sglang-router 0.3.2 re-serialises /generate from a typed struct that has no
+        # return_routed_experts (verified: it forwards lora_path, drops that field), so requests
+        # asking for routing go to a server directly.
+        via_router = self.router_url is not None and not req.return_routing
         server = None if via_router else await self._pick()
         sem = self._router_sem if via_router else server.sem  # type: ignore[union-attr]
         assert sem is not None
