@@ -26,6 +26,16 @@ from rl_sglang import SGLangGenerator, _cpu_support
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests when CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
     """Run scripts/setup_sglang_env.sh (fast when cached); the SGLang venv's interpreter."""
@@ -89,14 +99,63 @@ def _close_owned() -> None:
         assert not any(left.values()), f"SGLang processes left after close: {left}"
 
 
+def _owns_server(item: pytest.Item) -> bool:
+    """Whether ``item``'s module launches its own server (``OWN_SERVER = True``). Such modules
+    sort after every module that uses the session server (their names start after
+    ``test_recovery``), so the session server is stopped before they start."""
+    return bool(getattr(getattr(item, "module", None), "OWN_SERVER", False))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """Stop the session server as soon as the run leaves this directory: an idle server still
-    costs ~4 GB and its health probes keep a core busy, which would slow every later test."""
+    """Stop the session server as soon as the run leaves this directory, or enters a module
+    with its own server: an idle server still costs ~4 GB and its health probes keep a core
+    busy, which would slow every later test (and two servers would share 2 cores)."""
     result = yield
-    if _OWNED and (nextitem is None or _HERE not in Path(nextitem.path).parents):
+    if _OWNED and (
+        nextitem is None or _HERE not in Path(nextitem.path).parents or _owns_server(nextitem)
+    ):
         _close_owned()
     return result
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE (8 experts, top-2, 2 MoE layers, hidden 64) with the local
+    tokenizer, saved with ``save_pretrained`` (safetensors)."""
+    save_dir = tmp_path_factory.mktemp("models") / "tiny-moe"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_hf.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(str(save_dir))
+    tok.save_pretrained(str(save_dir))
+    return save_dir
 
 
 def _perturbed(

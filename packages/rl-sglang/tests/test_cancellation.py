@@ -48,7 +48,7 @@ def test_cancel_while_an_abandoned_attempt_winds_down_propagates() -> None:
     async def scenario() -> dict[str, int]:
         gen, server, started = _generator_without_servers()
         req = GenerationRequest(request_id="r", input_ids=(1, 2, 3))
-        task = asyncio.ensure_future(gen._one(req, 0, _Live("r")))
+        task = asyncio.ensure_future(gen._one(req, 0, None, _Live("r")))
         await started.wait()
         server.down.set()  # the server leaves rotation: the attempt cancels its POST ...
         await asyncio.sleep(0.1)  # ... and waits for it to wind down, when the caller cancels

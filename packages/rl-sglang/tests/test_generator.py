@@ -246,3 +246,46 @@ def test_external_attach_does_not_own(
     asyncio.run(gen.close())
     assert all(p is not None and p.alive() for p in owner.server_processes)
     assert asyncio.run(owner.health())
+
+
+def test_routing_refused_on_dense_model(
+    attach: Callable[..., SGLangGenerator], sglang_python: str, tiny_model: Path
+) -> None:
+    """A dense model has no routing: ``return_routing`` is refused with a GenerationError naming
+    rollout.routing_replay, and ``capture_routing`` on a dense checkpoint is a ConfigError."""
+    from rl_core.errors import ConfigError, GenerationError
+
+    gen = attach()
+    assert not gen.supports_routing
+    req = GenerationRequest(request_id="r", input_ids=P, return_routing=True)
+    with pytest.raises(GenerationError, match="routing_replay"):
+        asyncio.run(gen.generate([req]))
+    with pytest.raises(ConfigError, match="capture_routing"):
+        SGLangGenerator(
+            SGLangGenerator.Config(
+                model_path=str(tiny_model), python=sglang_python, capture_routing=True
+            )
+        )
+
+
+def test_memory_release_and_lora_refused_on_cpu_server(
+    attach: Callable[..., SGLangGenerator], fp: Any
+) -> None:
+    """A CPU server (no memory saver, no LoRA) reports supports_memory_release and supports_lora
+    false; release/resume and LoRA calls are refused with a GenerationError without reaching
+    the server (SGLang 0.5.23's /release_memory_occupation would kill it: its handler calls
+    torch.cuda.synchronize), which keeps serving."""
+    from rl_core.errors import GenerationError
+
+    gen = attach()
+    assert not gen.supports_memory_release and not gen.supports_lora
+    with pytest.raises(GenerationError, match="tags"):
+        asyncio.run(gen.release_memory(["weights", "activations"]))
+    with pytest.raises(GenerationError, match="enable_memory_saver"):
+        asyncio.run(gen.release_memory(["kv_cache"]))
+    with pytest.raises(GenerationError, match="enable_memory_saver"):
+        asyncio.run(gen.resume_memory())
+    with pytest.raises(GenerationError, match="enable_lora"):
+        asyncio.run(gen.generate([_req("l", P)], lora_adapter="x"))
+    _, version = fp.served(gen.server_urls[0])
+    assert version == "0"

@@ -14,7 +14,13 @@ Registered as ``generator: {type: sglang}`` and ``weight_transport: {type: sglan
 
 from rl_sglang.collective import SGLangCollectiveTransport, init_custom_process_group
 from rl_sglang.generator import PAUSE_MODES, SGLangGenerator
-from rl_sglang.server import ManagedProcess, ServerArgs, launch_router, launch_server
+from rl_sglang.server import (
+    ManagedProcess,
+    ServerArgs,
+    launch_router,
+    launch_server,
+    server_argv,
+)
 from rl_sglang.version import __version__
 
 __all__ = [
@@ -27,4 +33,5 @@ __all__ = [
     "init_custom_process_group",
     "launch_router",
     "launch_server",
+    "server_argv",
 ]

@@ -203,6 +203,7 @@ class _ControlMixin(_GeneratorState):
                         await asyncio.sleep(max(c.health_interval_s, 1.0))
                 async with self._weights_lock():
                     await self._resync(s)
+                    await self._reload_adapters(s)  # type: ignore[attr-defined]
                     if self._paused:
                         await self._control(s, "/pause_generation", {"mode": self._paused})
                     s.failures = 0

@@ -9,6 +9,13 @@ when three things hold, all verified on a 2-core AVX2 machine:
 - ``SGLANG_USE_CPU_ENGINE=1`` (otherwise the rotary embedding falls back to ``vllm._custom_ops``);
 - ``--max-total-tokens`` is set (otherwise the KV cache is sized from *system RAM*: ~15 GB).
 
+One SGLang code path needs a patch on CPU; :func:`cpu_environment` puts ``cpu_site/`` (its
+``sitecustomize.py`` applies it lazily, in every server process) first on ``PYTHONPATH``:
+
+- ``--enable-return-routed-experts`` (mixture-of-experts routing capture) allocates its host buffer
+  pinned through ``torch.cuda.cudart()`` and kills a CPU server; the patch allocates it unpinned.
+  With it a tiny Qwen3-MoE serves and returns the routing, equal to transformers' router.
+
 ``/release_memory_occupation`` calls ``torch.cuda.synchronize`` and kills a CPU server, so the
 generator never calls it on CPU. The server's working directory must not contain a ``vllm/``
 folder (it would shadow the missing ``vllm`` package); servers run in their own log directory.
@@ -34,6 +41,7 @@ __all__ = [
     "build_stub",
     "cpu_environment",
     "cpu_server_args",
+    "cpu_site_dir",
     "default_python",
     "setup_script",
     "sglang_home",
@@ -90,13 +98,23 @@ def build_stub(directory: Path | None = None) -> Path:
     return out_dir
 
 
+def cpu_site_dir() -> Path:
+    """Directory whose ``sitecustomize.py`` patches SGLang for CPU (see the module docstring)."""
+    return Path(__file__).with_name("cpu_site")
+
+
+def _prepend(env: dict[str, str], key: str, entry: str) -> None:
+    old = env.get(key, "")
+    env[key] = f"{entry}:{old}" if old else entry
+
+
 def cpu_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` plus what a CPU SGLang server needs: the engine switch and the stub driver."""
+    """``env`` plus what a CPU SGLang server needs: the engine switch, the stub driver and the
+    CPU patches (``cpu_site/sitecustomize.py`` first on ``PYTHONPATH``)."""
     out = dict(env)
     out["SGLANG_USE_CPU_ENGINE"] = "1"
-    stub = str(build_stub())
-    old = out.get("LD_LIBRARY_PATH", "")
-    out["LD_LIBRARY_PATH"] = f"{stub}:{old}" if old else stub
+    _prepend(out, "LD_LIBRARY_PATH", str(build_stub()))
+    _prepend(out, "PYTHONPATH", str(cpu_site_dir()))
     return out
 
 
@@ -107,4 +125,6 @@ def cpu_server_args(server_args: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(server_args)
     out.setdefault("max_total_tokens", CPU_DEFAULT_MAX_TOTAL_TOKENS)
     out.setdefault("dtype", "float32")
+    if out.get("enable_lora"):
+        out.setdefault("lora_backend", "torch_native")  # the default (csgmv) runs Triton kernels
     return out

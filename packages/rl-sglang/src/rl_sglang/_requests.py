@@ -15,6 +15,7 @@ import aiohttp
 
 from rl_core.errors import GenerationError
 from rl_core.types import FinishReason, GenerationRequest, GenerationResult
+from rl_sglang._routing import decode_routing
 from rl_sglang._state import _FINISH, _GeneratorState, _Live, _Retry, _Server
 
 log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as before the split
@@ -23,12 +24,22 @@ log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as bef
 class _RequestsMixin(_GeneratorState):
     """``generate``: dispatch to the least-loaded server, retry transient failures, parse responses."""
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Serve ``requests`` (concurrently, bounded per server); results in request order."""
+    async def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        lora_adapter: str | Sequence[str | None] | None = None,
+    ) -> list[GenerationResult]:
+        """Serve ``requests`` (concurrently, bounded per server); results in request order.
+
+        ``lora_adapter``: the loaded LoRA adapter to run every request with, or one name (or
+        ``None`` for the base model) per request; ``None``: ``default_lora_adapter``.
+        """
         if self._closed:
             raise GenerationError("SGLangGenerator.generate: the generator is closed.")
         if not requests:
             return []
+        adapters = self._adapters_for(requests, lora_adapter)  # type: ignore[attr-defined]
         seeds = []
         for r in requests:
             if not r.input_ids:
@@ -49,16 +60,25 @@ class _RequestsMixin(_GeneratorState):
                     "generator.stop_on_eos=false sends SGLang's ignore_eos, which ignores every "
                     "stop id; set stop_on_eos=true or drop the stop ids."
                 )
+            if r.return_routing and not self.supports_routing:
+                raise GenerationError(
+                    f"SGLangGenerator.generate: request {r.request_id!r} asks for the expert "
+                    f"routing (rollout.routing_replay), but {self._routing_refusal()}"
+                )
             seeds.append(
                 r.sampling.seed if r.sampling.seed is not None else self._seed_rng.getrandbits(62)
             )
         # An abort-all issued after this call started covers its requests even if they are not
         # registered on the I/O loop yet (a loaded machine can delay that past the abort).
         epoch = self._abort_epoch
-        return await self._io.run(self._generate_all(list(requests), seeds, epoch))
+        return await self._io.run(self._generate_all(list(requests), seeds, adapters, epoch))
 
     async def _generate_all(
-        self, requests: list[GenerationRequest], seeds: list[int], epoch: int
+        self,
+        requests: list[GenerationRequest],
+        seeds: list[int],
+        adapters: list[str | None],
+        epoch: int,
     ) -> list[GenerationResult]:
         lives = []
         for r in requests:
@@ -69,7 +89,10 @@ class _RequestsMixin(_GeneratorState):
         try:
             return list(
                 await asyncio.gather(
-                    *(self._one(r, s, lv) for r, s, lv in zip(requests, seeds, lives))
+                    *(
+                        self._one(r, s, a, lv)
+                        for r, s, a, lv in zip(requests, seeds, adapters, lives)
+                    )
                 )
             )
         finally:
@@ -81,7 +104,9 @@ class _RequestsMixin(_GeneratorState):
                     if not group:
                         del self._live[lv.request_id]
 
-    def _payload(self, req: GenerationRequest, seed: int, rid: str) -> dict[str, Any]:
+    def _payload(
+        self, req: GenerationRequest, seed: int, rid: str, adapter: str | None = None
+    ) -> dict[str, Any]:
         s = req.sampling
         stops = sorted(set(s.stop_token_ids) | set(self.default_stop_ids))
         params: dict[str, Any] = {
@@ -95,13 +120,32 @@ class _RequestsMixin(_GeneratorState):
             "ignore_eos": not self.config.stop_on_eos,
             "skip_special_tokens": False,
         }
-        return {
+        body: dict[str, Any] = {
             "rid": rid,
             "input_ids": list(req.input_ids),
             "sampling_params": params,
             "return_logprob": True,
             "logprob_start_len": -1,
         }
+        if req.return_routing:
+            body["return_routed_experts"] = True
+        if adapter is not None:
+            body["lora_path"] = adapter  # SGLang resolves a loaded adapter by its name
+        return body
+
+    def _routing_refusal(self) -> str:
+        """Why this generator cannot return routing (for error messages)."""
+        if self.routing_layout is None:
+            return (
+                "the served model is not a mixture-of-experts checkpoint this generator can read "
+                "(config.json has no num_experts / num_experts_per_tok); set "
+                "rollout.routing_replay=off."
+            )
+        return (
+            "the SGLang servers were not launched with --enable-return-routed-experts; set "
+            "SGLangGenerator.Config.capture_routing=true (or start the attached servers with "
+            "that flag)."
+        )
 
     def _aborted_result(self, req: GenerationRequest) -> GenerationResult:
         return GenerationResult(
@@ -123,13 +167,15 @@ class _RequestsMixin(_GeneratorState):
                 raise _Retry("no SGLang server in rotation")
             await asyncio.sleep(0.2)
 
-    async def _one(self, req: GenerationRequest, seed: int, live: _Live) -> GenerationResult:
+    async def _one(
+        self, req: GenerationRequest, seed: int, adapter: str | None, live: _Live
+    ) -> GenerationResult:
         attempt = 0
         while True:
             if live.aborted:
                 return self._aborted_result(req)
             try:
-                return await self._attempt(req, seed, live, attempt)
+                return await self._attempt(req, seed, adapter, live, attempt)
             except _Retry as e:
                 attempt += 1
                 if live.aborted:
@@ -150,9 +196,12 @@ class _RequestsMixin(_GeneratorState):
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
 
     async def _attempt(
-        self, req: GenerationRequest, seed: int, live: _Live, attempt: int
+        self, req: GenerationRequest, seed: int, adapter: str | None, live: _Live, attempt: int
     ) -> GenerationResult:
-        via_router = self.router_url is not None
+        # sglang-router 0.3.2 re-serialises /generate from a typed struct that has no
+        # return_routed_experts (verified: it forwards lora_path, drops that field), so requests
+        # asking for routing go to a server directly.
+        via_router = self.router_url is not None and not req.return_routing
         server = None if via_router else await self._pick()
         sem = self._router_sem if via_router else server.sem  # type: ignore[union-attr]
         assert sem is not None
@@ -169,7 +218,7 @@ class _RequestsMixin(_GeneratorState):
                 self._post(
                     url,
                     "/generate",
-                    self._payload(req, seed, rid),
+                    self._payload(req, seed, rid, adapter),
                     timeout=self.config.request_timeout_s,
                 )
             )
@@ -227,6 +276,7 @@ class _RequestsMixin(_GeneratorState):
         reason = _FINISH.get(str(kind))
         if reason is None:
             raise _Retry(f"{req.request_id}: unknown finish reason {finish!r}")
+        routing = self._parse_routing(req, meta, len(req.input_ids) + len(ids), reason)
         self.stats["requests"] += 1
         return GenerationResult(
             request_id=req.request_id,
@@ -234,7 +284,27 @@ class _RequestsMixin(_GeneratorState):
             output_logprobs=lps,
             finish_reason=reason,
             weight_version=version,
+            routed_experts=routing,
         )
+
+    def _parse_routing(
+        self, req: GenerationRequest, meta: dict[str, Any], num_tokens: int, reason: FinishReason
+    ) -> Any:
+        if not req.return_routing:
+            return None
+        payload = meta.get("routed_experts")
+        if not payload:
+            if reason is FinishReason.ABORT:
+                return None  # aborted before the model ran: nothing was routed
+            raise _Retry(f"{req.request_id}: the response carries no routed_experts")
+        assert self.routing_layout is not None  # generate() refuses routing without a layout
+        try:
+            return decode_routing(payload, self.routing_layout, num_tokens)
+        except ValueError as e:
+            raise GenerationError(
+                f"SGLangGenerator: request {req.request_id!r}: cannot read the server's "
+                f"routed_experts ({e}); does model_path match the served model?"
+            ) from e
 
     def _response_version(
         self, meta: dict[str, Any], req: GenerationRequest, server: _Server | None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl_core.types import FinishReason
 from rl_sglang._io import IOLoop
+from rl_sglang._routing import RoutingLayout
 from rl_sglang.server import ManagedProcess
 
 if TYPE_CHECKING:
@@ -66,6 +67,11 @@ class _GeneratorState:
     router_url: str | None
     vocab_size: int | None
     default_stop_ids: tuple[int, ...]
+    routing_layout: RoutingLayout | None
+    supports_routing: bool
+    supports_lora: bool
+    _lora: dict[str, str]
+    _default_lora: str | None
     _version: int
     _updating: bool
     _paused: str | None

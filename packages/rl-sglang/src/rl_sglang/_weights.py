@@ -6,7 +6,7 @@ import asyncio
 import base64
 import logging
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import aiohttp
@@ -138,22 +138,69 @@ class _WeightsMixin(_GeneratorState):
 
     # ------------------------------------------------------------------ memory (GPU only)
 
-    async def release_memory(self) -> None:
-        """Free weights and KV cache on every server (GPU only; refused on CPU)."""
-        await self._memory("/release_memory_occupation")
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free GPU memory on every server for a colocated trainer: ``tags`` among
+        :data:`MEMORY_TAGS` (``None``: all of them). New requests wait until
+        :meth:`resume_memory`.
 
-    async def resume_memory(self) -> None:
-        """Undo :meth:`release_memory` (GPU only; refused on CPU)."""
-        await self._memory("/resume_memory_occupation")
+        Needs servers on CUDA launched with ``enable_memory_saver`` (``supports_memory_release``);
+        refused otherwise (on CPU SGLang's handler calls ``torch.cuda.synchronize`` and the
+        server dies)."""
+        await self._memory("/release_memory_occupation", _memory_tags(tags))
 
-    async def _memory(self, path: str) -> None:
-        if self.config.device == "cpu":
+    async def resume_memory(
+        self, tags: Sequence[str] | None = None, *, reload_weights: bool = True
+    ) -> None:
+        """Undo :meth:`release_memory` for ``tags`` (``None``: all). When ``weights`` come back
+        and ``reload_weights`` is true, every server reloads the current weights and version
+        (the last update's source, or the checkpoint it was launched with): released weight
+        memory comes back uninitialised. Pass ``reload_weights=False`` when an update follows
+        at once (the colocated loop pushes new weights right after)."""
+        want = _memory_tags(tags)
+        await self._memory("/resume_memory_occupation", want)
+        if reload_weights and (want is None or "weights" in want):
+
+            async def reload() -> None:
+                async with self._weights_lock():
+                    up = [s for s in self._servers if s.up]
+                    await asyncio.gather(*(self._reload_one(s) for s in up))
+
+            await self._io.run(reload())
+
+    async def _reload_one(self, s: _Server) -> None:
+        if self._source is not None:
+            await self._resync(s)
+            return
+        path = self.config.model_path or str(getattr(self, "_server_info", {}).get("model_path"))
+        await self._disk_one(s, path, self._version)
+
+    async def _memory(self, path: str, tags: list[str] | None) -> None:
+        if not self.supports_memory_release:
             raise GenerationError(
-                f"SGLangGenerator{path}: not available on CPU (it crashes the server); "
-                "supports_memory_release is False there."
+                f"SGLangGenerator{path}: the servers cannot release memory (they need "
+                "device='cuda' and SGLangGenerator.Config.enable_memory_saver=true; on CPU the "
+                "call kills the server). Check generator.supports_memory_release first."
             )
 
         async def go() -> None:
-            await asyncio.gather(*(self._control(s, path, {}) for s in self._servers if s.up))
+            body = {"tags": tags}
+            await asyncio.gather(*(self._control(s, path, body) for s in self._servers if s.up))
 
         await self._io.run(go())
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""What SGLang 0.5.23 can release: model weights, the KV cache, captured CUDA graphs."""
+
+
+def _memory_tags(tags: Sequence[str] | None) -> list[str] | None:
+    if tags is None:
+        return None
+    out = list(dict.fromkeys(str(t) for t in tags))
+    bad = [t for t in out if t not in MEMORY_TAGS]
+    if bad or not out:
+        raise GenerationError(
+            f"SGLangGenerator.release_memory/resume_memory: tags {list(tags)!r}; give a non-empty "
+            f"subset of {MEMORY_TAGS} or None for all."
+        )
+    return out

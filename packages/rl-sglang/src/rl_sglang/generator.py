@@ -49,15 +49,31 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from rl_core.config import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Seed
+from rl_core.config import (
+    NonNegFloat,
+    NonNegInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+    check_ranges,
+)
 from rl_core.errors import ConfigError
 from rl_core.interfaces import Generator
 from rl_sglang._control import _ControlMixin
 from rl_sglang._http import _HTTPMixin
 from rl_sglang._io import IOLoop
+from rl_sglang._launch import (
+    TYPED_SERVER_ARGS,
+    check_gpu_budget,
+    typed_server_args,
+    visible_gpus,
+)
+from rl_sglang._lora import _LoRAMixin
 from rl_sglang._requests import _RequestsMixin
+from rl_sglang._routing import RoutingLayout
 from rl_sglang._state import PAUSE_MODES, _Live, _Server
 from rl_sglang._weights import _WeightsMixin
 from rl_sglang.server import (
@@ -74,15 +90,22 @@ __all__ = ["PAUSE_MODES", "SGLangGenerator"]
 log = logging.getLogger(__name__)
 
 
-class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, Generator):
+class SGLangGenerator(
+    _RequestsMixin, _ControlMixin, _WeightsMixin, _LoRAMixin, _HTTPMixin, Generator
+):
     """Rollout on SGLang servers (launched or attached), optionally behind the SGLang router."""
 
     supports_abort: ClassVar[bool] = True
     """:meth:`abort` ends requests with their partial tokens and log-probs."""
     supports_pause: ClassVar[bool] = True
     """:meth:`pause` holds new requests server-side (in-flight ones per ``pause_mode``)."""
-    supports_memory_release: ClassVar[bool] = False
-    """Off: memory release needs a GPU and crashes a CPU server. On GPU, instances set it."""
+    supports_memory_release: ClassVar[bool] = True
+    """SGLang frees weights and KV cache for a colocated trainer (``release_memory_occupation``);
+    an instance says ``False`` unless its servers run on CUDA with ``enable_memory_saver`` (the
+    call kills a CPU server)."""
+    supports_routing: ClassVar[bool] = True
+    """SGLang records mixture-of-experts routing (``return_routed_experts``); an instance says
+    ``False`` unless it serves a MoE model with capture on (``Config.capture_routing``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -142,6 +165,40 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         """Seeds the seeds of requests that carry none."""
         initial_version: NonNegInt = 0
         """Weight version of the starting weights (stamped on the servers)."""
+        capture_routing: bool = False
+        """Launch the servers with ``--enable-return-routed-experts`` so requests with
+        ``return_routing`` get the experts a mixture-of-experts model chose for every token
+        (``GenerationResult.routed_experts``); ``model_path`` must be a MoE checkpoint."""
+        tp_size: PositiveInt = 1
+        """GPUs per launched server, tensor parallel (``--tp-size``; CUDA only)."""
+        dp_size: PositiveInt = 1
+        """Data-parallel replicas inside one launched server, each on ``tp_size`` GPUs, behind
+        SGLang's own DP controller (``--dp-size``; CUDA only)."""
+        base_gpu_id: NonNegInt = 0
+        """First GPU of this node the launched servers use; server ``i`` takes the
+        ``tp_size * dp_size`` GPUs from ``base_gpu_id + i * tp_size * dp_size`` (CUDA only)."""
+        mem_fraction_static: Annotated[float, Range(gt=0, lt=1)] | None = None
+        """Fraction of device memory for weights and KV cache (``--mem-fraction-static``);
+        ``None``: SGLang's default. Lower it when a colocated trainer shares the GPUs."""
+        disable_cuda_graph: bool = False
+        """Run decode and prefill without CUDA graphs (CUDA only)."""
+        cuda_graph_max_bs: PositiveInt | None = None
+        """Largest decode batch captured as a CUDA graph (``--cuda-graph-max-bs-decode``;
+        CUDA only); ``None``: SGLang's default."""
+        enable_lora: bool = False
+        """Launch with SGLang's multi-LoRA serving: adapters are loaded by name
+        (:meth:`load_lora_adapter`) and picked per request; needs ``max_lora_rank`` and
+        ``lora_target_modules``."""
+        max_lora_rank: PositiveInt | None = None
+        """Largest adapter rank the servers accept (``--max-lora-rank``)."""
+        lora_target_modules: tuple[str, ...] = ()
+        """Modules adapters may target (``--lora-target-modules``: ``q_proj``, ``v_proj``, ...,
+        or ``all``)."""
+        max_loras_per_batch: PositiveInt | None = None
+        """Adapters one running batch may mix, the base model counted (SGLang default 8)."""
+        enable_memory_saver: bool = False
+        """Launch with ``--enable-memory-saver`` so :meth:`release_memory` /
+        :meth:`resume_memory` can free the GPU for a colocated trainer (CUDA only)."""
 
         def __post_init__(self) -> None:
             if not self.server_urls and not self.model_path:
@@ -172,9 +229,68 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
                     "SGLangGenerator.Config: use_router launches a router; router_url attaches "
                     "to one. Set only one."
                 )
+            check_ranges(self, "SGLangGenerator.Config")
+            self._check_launch_options()
             self.server_urls = tuple(u.rstrip("/") for u in self.server_urls)
             self.extra_stop_token_ids = tuple(int(x) for x in self.extra_stop_token_ids)
             self.server_args = dict(self.server_args)
+
+        def _check_launch_options(self) -> None:
+            where = "SGLangGenerator.Config"
+            for key in self.server_args:
+                field_name = TYPED_SERVER_ARGS.get(str(key).replace("-", "_"))
+                if field_name is not None:
+                    raise ConfigError(
+                        f"{where}.server_args.{key}: set by the typed field {where}.{field_name}; "
+                        f"use {field_name} instead."
+                    )
+            if self.device == "cpu":
+                cuda_only = {
+                    "tp_size": self.tp_size > 1,
+                    "dp_size": self.dp_size > 1,
+                    "base_gpu_id": self.base_gpu_id > 0,
+                    "disable_cuda_graph": self.disable_cuda_graph,
+                    "cuda_graph_max_bs": self.cuda_graph_max_bs is not None,
+                    "enable_memory_saver": self.enable_memory_saver,
+                }
+                bad = [k for k, v in cuda_only.items() if v]
+                if bad:
+                    raise ConfigError(
+                        f"{where}.{bad[0]}: a CUDA option, but device='cpu' (the CPU engine "
+                        "runs one process per server, without CUDA graphs or memory saver; "
+                        f"set device='cuda' or drop {', '.join(bad)}; use num_servers for "
+                        "more CPU servers)."
+                    )
+            lora_set = {
+                "max_lora_rank": self.max_lora_rank is not None,
+                "lora_target_modules": bool(self.lora_target_modules),
+                "max_loras_per_batch": self.max_loras_per_batch is not None,
+            }
+            if self.enable_lora and not (
+                lora_set["max_lora_rank"] and lora_set["lora_target_modules"]
+            ):
+                raise ConfigError(
+                    f"{where}.enable_lora: needs max_lora_rank and lora_target_modules (SGLang "
+                    "sizes its adapter memory from them), e.g. max_lora_rank=16, "
+                    "lora_target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
+                )
+            stray = [k for k, v in lora_set.items() if v and not self.enable_lora]
+            if stray:
+                raise ConfigError(
+                    f"{where}.{stray[0]}: a LoRA option, but enable_lora is false; set "
+                    "enable_lora=true or drop it."
+                )
+            if self.disable_cuda_graph and self.cuda_graph_max_bs is not None:
+                raise ConfigError(
+                    f"{where}.cuda_graph_max_bs: sizes CUDA graphs, but disable_cuda_graph is "
+                    "true; set only one."
+                )
+            if self.server_urls and (self.tp_size > 1 or self.dp_size > 1 or self.base_gpu_id):
+                raise ConfigError(
+                    f"{where}.tp_size/dp_size/base_gpu_id: launch options, but server_urls "
+                    "attaches to running servers; set them where those servers are launched "
+                    "(rl_sglang.server_argv) or drop server_urls."
+                )
 
     def __init__(self, config: SGLangGenerator.Config) -> None:
         """Launch (or attach to) the servers and wait until all are healthy."""
@@ -191,7 +307,8 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
                 "packages/rl-sglang/scripts/setup_sglang_env.sh (installs SGLang into its own "
                 "venv) or point `python` at an interpreter with sglang."
             )
-        self.supports_memory_release = c.device != "cpu"  # type: ignore[misc]
+        if self.owned:
+            check_gpu_budget(c, visible_gpus())
         self._tmp = None
         if c.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="rl-sglang-")
@@ -200,9 +317,19 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
         else:
             self.log_dir = Path(c.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.server_args = (
-            ServerArgs.validate(c.server_args, python=self.python) if self.owned else {}
-        )
+        self.routing_layout: RoutingLayout | None = None
+        """Where the served model's MoE layers are (``None``: a dense model)."""
+        if self.owned:
+            self.routing_layout = RoutingLayout.from_model_dir(Path(c.model_path))
+            if c.capture_routing and self.routing_layout is None:
+                raise ConfigError(
+                    f"SGLangGenerator.Config.capture_routing: {c.model_path}/config.json is not "
+                    "a mixture-of-experts model (no num_experts / num_experts_per_tok); turn "
+                    "capture_routing off or serve a MoE checkpoint."
+                )
+        args = {**c.server_args, **typed_server_args(c, 0)}
+        args.pop("base_gpu_id", None)  # per server: see _launch
+        self.server_args = ServerArgs.validate(args, python=self.python) if self.owned else {}
         """The validated SGLang server arguments (launched servers only)."""
         self.stats: dict[str, int] = {
             "requests": 0,
@@ -236,6 +363,18 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
             self._finalizer()
             raise
         model_dir = self._model_dir()
+        if self.routing_layout is None:
+            self.routing_layout = RoutingLayout.from_model_dir(model_dir)
+        info = getattr(self, "_server_info", {})
+        captures = bool(info.get("enable_return_routed_experts"))
+        self.supports_routing = captures and self.routing_layout is not None  # type: ignore[misc]
+        self.supports_lora: bool = bool(info.get("enable_lora"))
+        """The servers serve LoRA adapters (launched with ``enable_lora``)."""
+        self._lora: dict[str, str] = {}
+        self._default_lora: str | None = None
+        self.supports_memory_release = (  # type: ignore[misc]
+            bool(info.get("enable_memory_saver")) and str(info.get("device")) != "cpu"
+        )
         self.vocab_size: int | None = _vocab_size(model_dir)
         """Rows of the served model's LM head (``None`` if the checkpoint is not readable)."""
         eos = _eos_ids(model_dir) if c.stop_on_eos else ()
@@ -252,7 +391,7 @@ class SGLangGenerator(_RequestsMixin, _ControlMixin, _WeightsMixin, _HTTPMixin, 
             model_path=self.config.model_path,
             python=self.python,
             port=port,
-            server_args=self.server_args,
+            server_args={**self.server_args, **typed_server_args(self.config, index)},
             device=self.config.device,
             log_dir=self.log_dir,
             host=self.config.host,

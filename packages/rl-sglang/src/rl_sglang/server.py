@@ -49,6 +49,7 @@ __all__ = [
     "launch_router",
     "launch_server",
     "live_processes",
+    "server_argv",
     "wait_healthy",
 ]
 
@@ -330,32 +331,23 @@ class ServerArgs:
         return argv
 
 
-def launch_server(
+def server_argv(
     *,
     model_path: str,
     python: str | Path,
     port: int,
     server_args: Mapping[str, Any],
     device: str,
-    log_dir: Path,
     host: str = "127.0.0.1",
-    name: str = "sglang",
+    nccl_port: int,
     weight_version: int | None = None,
-    env: Mapping[str, str] | None = None,
-) -> ManagedProcess:
-    """Start ``python -m sglang.launch_server`` token-in/token-out (``--skip-tokenizer-init``).
+) -> list[str]:
+    """The command line of an SGLang server, token-in/token-out (``--skip-tokenizer-init``).
 
-    ``server_args`` must already be validated (:meth:`ServerArgs.validate`). On CPU the stub
-    driver and CPU defaults of :mod:`rl_sglang._cpu_support` are applied.
+    ``server_args`` must already be validated (:meth:`ServerArgs.validate`) and hold the CPU
+    defaults where ``device == "cpu"`` (:func:`launch_server` adds them). A process on another
+    node (e.g. a Ray actor) can run this command and be attached with ``server_urls``.
     """
-    from rl_sglang import _cpu_support
-
-    run_env = dict(env if env is not None else os.environ)
-    args = dict(server_args)
-    if device == "cpu":
-        run_env = _cpu_support.cpu_environment(run_env)
-        args = _cpu_support.cpu_server_args(args)
-    run_env.setdefault("OMP_NUM_THREADS", "1")
     argv = [
         str(python),
         "-m",
@@ -370,11 +362,49 @@ def launch_server(
         device,
         "--skip-tokenizer-init",
         "--nccl-port",
-        str(free_port(host)),
+        str(nccl_port),
     ]
     if weight_version is not None:
         argv += ["--weight-version", str(weight_version)]
-    argv += ServerArgs.to_argv(args)
+    return argv + ServerArgs.to_argv(server_args)
+
+
+def launch_server(
+    *,
+    model_path: str,
+    python: str | Path,
+    port: int,
+    server_args: Mapping[str, Any],
+    device: str,
+    log_dir: Path,
+    host: str = "127.0.0.1",
+    name: str = "sglang",
+    weight_version: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ManagedProcess:
+    """Start :func:`server_argv`'s command as an owned process group.
+
+    ``server_args`` must already be validated (:meth:`ServerArgs.validate`). On CPU the stub
+    driver, the CPU patches and the CPU defaults of :mod:`rl_sglang._cpu_support` are applied.
+    """
+    from rl_sglang import _cpu_support
+
+    run_env = dict(env if env is not None else os.environ)
+    args = dict(server_args)
+    if device == "cpu":
+        run_env = _cpu_support.cpu_environment(run_env)
+        args = _cpu_support.cpu_server_args(args)
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    argv = server_argv(
+        model_path=model_path,
+        python=python,
+        port=port,
+        server_args=args,
+        device=device,
+        host=host,
+        nccl_port=free_port(host),
+        weight_version=weight_version,
+    )
     return ManagedProcess(
         argv,
         env=run_env,

@@ -1,0 +1,141 @@
+"""Mixture-of-experts routing from a real CPU SGLang server (``--enable-return-routed-experts``):
+a tiny Qwen3-MoE served by SGLang, its recorded routing checked against transformers' router on
+the same weights. One server for the module (about a minute to start)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_core.routing import routing_mismatch
+from rl_core.types import GenerationRequest, SamplingParams
+from rl_sglang import SGLangGenerator
+
+OWN_SERVER = True
+"""This module launches its own server (the session server is stopped first)."""
+
+P = (5, 17, 42, 99, 3, 120, 64, 7, 250, 31, 11, 2)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_moe: Path) -> Path:
+    """The tiny Qwen3-MoE checkpoint."""
+    return tiny_moe
+
+
+@pytest.fixture(scope="module")
+def moe_gen(
+    sglang_python: str, moe_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangGenerator]:
+    """A generator owning one CPU server of the MoE model with routing capture on."""
+    gen = SGLangGenerator(
+        SGLangGenerator.Config(
+            model_path=str(moe_model),
+            python=sglang_python,
+            log_dir=str(tmp_path_factory.mktemp("sglang-moe-logs")),
+            server_args={"log_level": "warning", "max_total_tokens": 4096},
+            capture_routing=True,
+            health_interval_s=0,
+        )
+    )
+    yield gen
+    asyncio.run(gen.close())
+
+
+def _hf_routing(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """``[S, L, K]`` top-k experts of transformers' router for every token of ``tokens``."""
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    return torch.stack([torch.topk(lg.float(), k, dim=-1).indices for lg in out.router_logits], 1)
+
+
+def test_routing_covers_every_token_and_equals_hf_router(
+    moe_gen: SGLangGenerator, moe_model: Path
+) -> None:
+    """Every result carries ``[P + R, L, K]`` uint8 expert ids (the last row repeats the one
+    before: the last sampled token never ran), a request without ``return_routing`` carries none,
+    and the recorded routing equals transformers' router top-k on the same weights for every
+    (token, layer) of the prompt and the response."""
+    assert moe_gen.supports_routing
+    reqs = [
+        GenerationRequest(
+            request_id=f"r{i}",
+            input_ids=P[: 4 + 2 * i],
+            sampling=SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=()),
+            return_routing=True,
+        )
+        for i in range(4)
+    ]
+    plain = GenerationRequest(
+        request_id="plain", input_ids=P, sampling=SamplingParams(max_new_tokens=4)
+    )
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(moe_model), dtype=torch.float32).eval()
+    *results, no_routing = asyncio.run(moe_gen.generate([*reqs, plain]))
+    assert no_routing.routed_experts is None
+    mismatches = []
+    for req, res in zip(reqs, results):
+        tokens = list(req.input_ids + res.output_ids)
+        r_SLK = res.routed_experts
+        assert r_SLK is not None and r_SLK.dtype == torch.uint8
+        assert tuple(r_SLK.shape) == (len(tokens), 2, 2)
+        assert torch.equal(r_SLK[-1], r_SLK[-2])
+        hf_SLK = _hf_routing(hf, tokens)
+        # the last token never ran in SGLang: compare the rows the engine computed
+        mismatches.append(routing_mismatch(r_SLK[:-1], hf_SLK[:-1]))
+    print(f"routing mismatch SGLang-CPU vs HF router per request: {mismatches}")
+    assert max(mismatches) == 0.0
+
+
+def test_prefix_cached_prompt_tokens_keep_their_routing(moe_gen: SGLangGenerator) -> None:
+    """A second request with the same prompt is served from the prefix cache and still gets
+    routing for every prompt token, equal to the first request's."""
+    req = GenerationRequest(
+        request_id="a",
+        input_ids=P,
+        sampling=SamplingParams(max_new_tokens=3, temperature=0.0),
+        return_routing=True,
+    )
+    first = asyncio.run(moe_gen.generate([req]))[0]
+    again = asyncio.run(moe_gen.generate([req]))[0]
+    assert first.routed_experts is not None and again.routed_experts is not None
+    n = len(P)
+    assert torch.equal(first.routed_experts[:n], again.routed_experts[:n])
+    assert again.routed_experts.shape[0] == n + len(again.output_ids)
+
+
+def test_routing_requests_bypass_the_router(moe_gen: SGLangGenerator) -> None:
+    """Behind sglang-router (which drops ``return_routed_experts`` from what it forwards),
+    requests asking for routing still get it, equal to the direct answer; others go through the
+    router."""
+    gen = SGLangGenerator(
+        SGLangGenerator.Config(
+            server_urls=tuple(moe_gen.server_urls),
+            python=moe_gen.python,
+            use_router=True,
+            health_interval_s=0,
+        )
+    )
+    try:
+        assert gen.router_url is not None and gen.supports_routing
+        req = GenerationRequest(
+            request_id="via-router",
+            input_ids=P,
+            sampling=SamplingParams(max_new_tokens=4, temperature=0.0),
+            return_routing=True,
+        )
+        (routed,) = asyncio.run(gen.generate([req]))
+        (direct,) = asyncio.run(moe_gen.generate([req]))
+        assert routed.routed_experts is not None and direct.routed_experts is not None
+        assert routed.output_ids == direct.output_ids
+        assert torch.equal(routed.routed_experts, direct.routed_experts)
+        plain = GenerationRequest(request_id="plain", input_ids=P)
+        assert asyncio.run(gen.generate([plain]))[0].routed_experts is None
+    finally:
+        asyncio.run(gen.close())

@@ -1,0 +1,164 @@
+"""LoRA adapters on a real CPU SGLang server (``enable_lora``, ``/load_lora_adapter``,
+``/unload_lora_adapter``, ``lora_path`` per request): sampled tokens' log-probs equal
+transformers with the adapter merged into the base weights. One server for the module.
+
+The adapters are written in peft's format by hand (``adapter_config.json`` +
+``adapter_model.safetensors``): peft is not a dependency of rl-sglang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rl_core.errors import GenerationError
+from rl_core.types import GenerationRequest, GenerationResult, SamplingParams
+from rl_sglang import SGLangGenerator
+
+OWN_SERVER = True
+"""This module launches its own server (the session server is stopped first)."""
+
+P = (5, 17, 42, 99, 3, 120, 64, 7, 250, 31, 11, 2)
+RANK, ALPHA = 4, 8
+
+
+def _write_adapter(base: Path, out: Path, seed: int) -> Path:
+    """A random rank-4 peft adapter on q_proj and v_proj of every layer of ``base``."""
+    cfg = json.loads((base / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    outs = {"q_proj": hidden, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, width in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, hidden, generator=gen) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(width, RANK, generator=gen) * 0.3
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(outs),
+        "bias": "none",
+        "base_model_name_or_path": str(base),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def _merged_logprobs(base: Path, adapter: Path | None, tokens: list[int]) -> torch.Tensor:
+    """``log p(tokens[t] | tokens[:t])`` for t >= 1 from transformers, the adapter merged."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    if adapter is not None:
+        state = model.state_dict()
+        for key, a in load_file(str(adapter / "adapter_model.safetensors")).items():
+            if key.endswith("lora_A.weight"):
+                b = load_file(str(adapter / "adapter_model.safetensors"))[
+                    key.replace("lora_A", "lora_B")
+                ]
+                name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                state[name] = state[name] + (ALPHA / RANK) * b @ a
+        model.load_state_dict(state)
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logp_TV = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp_TV.gather(1, ids[0, 1:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two different adapters of the tiny model."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {n: _write_adapter(tiny_model, root / n, seed=s) for n, s in (("a", 1), ("b", 2))}
+
+
+@pytest.fixture(scope="module")
+def lora_gen(
+    sglang_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangGenerator]:
+    """A generator owning one CPU server with LoRA serving on."""
+    gen = SGLangGenerator(
+        SGLangGenerator.Config(
+            model_path=str(tiny_model),
+            python=sglang_python,
+            log_dir=str(tmp_path_factory.mktemp("sglang-lora-logs")),
+            server_args={"log_level": "warning", "max_total_tokens": 4096},
+            enable_lora=True,
+            max_lora_rank=8,
+            lora_target_modules=("q_proj", "v_proj"),
+            health_interval_s=0,
+        )
+    )
+    yield gen
+    asyncio.run(gen.close())
+
+
+def _max_err(
+    base: Path, adapter: Path | None, req: GenerationRequest, res: GenerationResult
+) -> float:
+    ref = _merged_logprobs(base, adapter, list(req.input_ids + res.output_ids))
+    got = torch.tensor(res.output_logprobs)
+    return float((ref[len(req.input_ids) - 1 :] - got).abs().max())
+
+
+def test_adapters_per_request_match_merged_weights(
+    lora_gen: SGLangGenerator, tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """One batch mixing the base model and two adapters: every request's sampled log-probs
+    equal transformers with its own adapter merged (and differ from the base model's)."""
+    assert lora_gen.supports_lora
+    for name, path in adapters.items():
+        asyncio.run(lora_gen.load_lora_adapter(name, str(path)))
+    assert lora_gen.lora_adapters == {n: str(p) for n, p in adapters.items()}
+    names = [None, "a", "b", "a"]
+    reqs = [
+        GenerationRequest(
+            request_id=f"r{i}",
+            input_ids=P[: 5 + i],
+            sampling=SamplingParams(max_new_tokens=6, temperature=1.0),
+        )
+        for i in range(len(names))
+    ]
+    results = asyncio.run(lora_gen.generate(reqs, lora_adapter=names))
+    errs = []
+    for name, req, res in zip(names, reqs, results):
+        assert res.output_ids
+        adapter = adapters[name] if name else None
+        errs.append(_max_err(tiny_model, adapter, req, res))
+        if name:  # the adapter really changes the model
+            assert _max_err(tiny_model, None, req, res) > 1e-2
+    print(f"max |log-prob - merged HF| per request (base, a, b, a): {errs}")
+    assert max(errs) < 1e-3
+
+
+def test_replace_unload_and_default_adapter(
+    lora_gen: SGLangGenerator, tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """Loading a name again replaces its weights (publishing a new adapter version), the default
+    adapter applies to requests that name none, and an unloaded name is refused."""
+    asyncio.run(lora_gen.load_lora_adapter("a", str(adapters["a"])))
+    asyncio.run(lora_gen.load_lora_adapter("a", str(adapters["b"])))  # new weights, same name
+    lora_gen.default_lora_adapter = "a"
+    req = GenerationRequest(
+        request_id="d", input_ids=P, sampling=SamplingParams(max_new_tokens=5, temperature=1.0)
+    )
+    (res,) = asyncio.run(lora_gen.generate([req]))
+    assert _max_err(tiny_model, adapters["b"], req, res) < 1e-3
+    asyncio.run(lora_gen.unload_lora_adapter("a"))
+    assert lora_gen.default_lora_adapter is None and "a" not in lora_gen.lora_adapters
+    with pytest.raises(GenerationError, match="no LoRA adapter named 'a'"):
+        asyncio.run(lora_gen.generate([req], lora_adapter="a"))
+    with pytest.raises(GenerationError, match="adapter_config.json"):
+        asyncio.run(lora_gen.load_lora_adapter("c", str(tiny_model)))
