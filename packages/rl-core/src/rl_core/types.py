@@ -129,7 +129,7 @@ class GenerationRequest:
     return_routing: bool = False
     """Ask the engine for the experts a mixture-of-experts model chose for every token
     (:attr:`GenerationResult.routed_experts`); an engine that cannot record them raises
-    ``GeneratorError`` naming ``rollout.routing_replay``."""
+    ``GenerationError`` naming ``rollout.routing_replay``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
