@@ -60,6 +60,13 @@ class _Recording:
         """``[N, L, K]`` int64 expert indices chosen in forward number ``call``."""
         return torch.stack([layer[call] for layer in self.per_layer], dim=1)
 
+    def take(self) -> torch.Tensor:
+        """``[N, L, K]`` of the last forward, forgetting every forward recorded so far."""
+        out_NLK = self.routing()
+        for layer in self.per_layer:
+            layer.clear()
+        return out_NLK
+
 
 class RouterTap:
     """Forward hooks on every router of one model (see the module docstring)."""
