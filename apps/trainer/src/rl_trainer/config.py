@@ -132,6 +132,18 @@ class RolloutConfig:
     max_rounds: PositiveInt = 8
     """Generation rounds per step at most when filters drop groups (then the run stops with an
     error naming the filters)."""
+    routing_replay: Literal["off", "record", "replay"] = "off"
+    """Mixture-of-experts routing replay (R3). ``record``: the generator returns the experts it
+    chose for every token (``rollout.routed_experts``, kept in the buffer and checkpoints) and
+    the step reports how the trainer's routing differs (``routing/*`` metrics), but the policy
+    routes on its own. ``replay``: also make the policy's MoE layers use exactly the engine's
+    experts in every log-prob pass and the training step. Needs a generator with
+    ``supports_routing`` and, for ``replay``, a policy with ``supports_routing_replay``
+    (checked at start-up), and a mixture-of-experts model."""
+    routing_no_replay_every: NonNegInt = 1
+    """With ``routing_replay: replay``: on step 1 and every this many steps after it, run one
+    more log-prob pass without replay, for ``routing/mismatch_no_replay`` and
+    ``routing/logprob_mismatch_no_replay`` (what replay removed); 0 never."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_trainer import stages
+from rl_trainer import routing, stages
 from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline, Weights
@@ -81,6 +81,7 @@ async def start(trainer: Trainer) -> bool:
     temperature = cfg.rollout.sampling.temperature or 1.0
     trainer.policy = build_policy(cfg, runtime, start_path, temperature=temperature)
     trainer.generator = await build_generator(cfg, runtime, start_path)
+    routing.check_support(cfg.rollout.routing_replay, trainer.policy, trainer.generator)
     if cfg.algorithm.use_reference:
         trainer.reference = build_policy(
             cfg, runtime, start_path, role="reference", temperature=temperature
