@@ -20,8 +20,9 @@ once replaying the engine's routing. Reported:
 - ``logprob_mismatch``: mean |trainer - engine| log-prob over response tokens;
 - ``bytes_per_token``: the routing payload per token (``layers x top_k x itemsize``).
 
-Run: ``python benchmarks/moe_replay.py`` (about a minute on 2 CPU cores); writes
-``benchmarks/results/moe_replay.json``.
+Run: ``python benchmarks/moe_replay.py`` (about 20 s on 2 CPU cores); writes
+``benchmarks/results/moe_replay.json``. ``--model DIR`` measures a trained model instead (e.g. a
+``moe_demo`` run's ``final_model``; its routing is sharper than the random tiny model's).
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ def _measure(model_dir: Path, policy: HFPolicy, case: str, args: argparse.Namesp
             h.remove()
     used_TLK = torch.stack(used, dim=1)
     shape = RoutingShape(
-        num_layers=TINY_MOE.num_layers, top_k=TINY_MOE.moe_top_k, num_experts=TINY_MOE.num_experts
+        num_layers=engine_TLK.shape[1],
+        top_k=engine_TLK.shape[2],
+        num_experts=int(policy.model.config.num_experts),
     )
     return {
         "case": case,
@@ -142,19 +145,26 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.5, help="router logit noise std")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a Qwen3-MoE directory (e.g. a moe_demo run's final_model); default: TINY_MOE, random",
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "moe", TINY_MOE)
+        model_dir = args.model or build_tiny_model(Path(tmp) / "moe", TINY_MOE)
         policy = HFPolicy(HFPolicy.Config(model_path=str(model_dir)))
         rows = [_measure(model_dir, policy, c, args) for c in ("bf16", "noise", "bf16+noise")]
+    cfg = policy.model.config
     head = (
         f"{'case':<11} {'route mism':>10} {'(replay)':>9} {'|dlogp| no':>11} "
         f"{'|dlogp| replay':>15} {'bytes/tok':>9}"
     )
     print(
-        f"tiny Qwen3-MoE ({TINY_MOE.num_experts} experts, top-{TINY_MOE.moe_top_k}, "
-        f"{TINY_MOE.num_layers} layers); trainer fp32"
+        f"Qwen3-MoE {args.model or 'TINY_MOE (random)'} ({cfg.num_experts} experts, "
+        f"top-{cfg.num_experts_per_tok}, {cfg.num_hidden_layers} layers); trainer fp32"
     )
     print(head)
     for r in rows:
@@ -164,7 +174,7 @@ def main() -> None:
             f"{r['logprob_mismatch_replay']:>15.2e} {r['bytes_per_token']:>9d}"
         )
     out = {
-        "model": dataclasses.asdict(TINY_MOE),
+        "model": str(args.model) if args.model else dataclasses.asdict(TINY_MOE),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "torch": torch.__version__,
         "cases": rows,
