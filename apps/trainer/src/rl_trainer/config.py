@@ -137,6 +137,18 @@ class RolloutConfig:
     """Write every RL step's trained groups (tokens, masks, log-probs, versions, rewards and
     components, advantages, routing) here (:mod:`rl_trainer.dumps`), for ``rl-train show``,
     ``rl-train replay`` and offline analysis; ``None``: no dumps."""
+    routing_replay: Literal["off", "record", "replay"] = "off"
+    """Mixture-of-experts routing replay (R3). ``record``: the generator returns the experts it
+    chose for every token (``rollout.routed_experts``, kept in the buffer and checkpoints) and
+    the step reports how the trainer's routing differs (``routing/*`` metrics), but the policy
+    routes on its own. ``replay``: also make the policy's MoE layers use exactly the engine's
+    experts in every log-prob pass and the training step. Needs a generator with
+    ``supports_routing`` and, for ``replay``, a policy with ``supports_routing_replay``
+    (checked at start-up), and a mixture-of-experts model."""
+    routing_no_replay_every: NonNegInt = 1
+    """With ``routing_replay: replay``: on step 1 and every this many steps after it, run one
+    more log-prob pass without replay, for ``routing/mismatch_no_replay`` and
+    ``routing/logprob_mismatch_no_replay`` (what replay removed); 0 never."""
 
 
 @dataclass(kw_only=True, slots=True)

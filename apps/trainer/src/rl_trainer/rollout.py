@@ -29,6 +29,7 @@ from rl_core.interfaces import (
     RolloutContext,
     Tokenizer,
 )
+from rl_core.routing import pad_routing
 from rl_core.types import (
     FinishReason,
     GenerationRequest,
@@ -64,13 +65,20 @@ def derive_seed(*parts: Any) -> int:
 
 
 def rollout_from_result(prompt: Prompt, result: GenerationResult, sample_id: str) -> Rollout:
-    """A single-turn rollout from one generation result (token-in/token-out: no re-encoding)."""
+    """A single-turn rollout from one generation result (token-in/token-out: no re-encoding);
+    the engine's routing, when it returned one, covers the prompt and the response."""
     r = len(result.output_ids)
+    tokens = tuple(prompt.token_ids) + tuple(result.output_ids)
+    routed = result.routed_experts
+    if routed is not None and routed.shape[0] > 0:
+        routed = pad_routing(routed, len(tokens))
+    else:
+        routed = None
     return Rollout(
         prompt_uid=prompt.uid,
         rollout_id=sample_id,
         sample_id=sample_id,
-        tokens=tuple(prompt.token_ids) + tuple(result.output_ids),
+        tokens=tokens,
         response_start=len(prompt.token_ids),
         loss_mask=(1,) * r,
         rollout_logprobs=tuple(result.output_logprobs),
@@ -79,6 +87,7 @@ def rollout_from_result(prompt: Prompt, result: GenerationResult, sample_id: str
         metadata=(
             {"failure": "generation_error"} if result.finish_reason == FinishReason.ERROR else {}
         ),
+        routed_experts=routed,
     )
 
 
@@ -87,14 +96,18 @@ def sample_requests(
     sampling: SamplingParams,
     n_samples: int,
     seed_parts: tuple[Any, ...],
+    *,
+    return_routing: bool = False,
 ) -> list[GenerationRequest]:
     """The default path's requests: ``n_samples`` per prompt, prompt-major, each with its own
-    derived seed and the id ``<prompt uid>/<sample index>``."""
+    derived seed and the id ``<prompt uid>/<sample index>``; ``return_routing`` asks the engine
+    for the experts of every token (``rollout.routing_replay``)."""
     return [
         GenerationRequest(
             request_id=f"{p.uid}/{j}",
             input_ids=tuple(p.token_ids),
             sampling=dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i, j)),
+            return_routing=return_routing,
         )
         for i, p in enumerate(prompts)
         for j in range(n_samples)
@@ -113,6 +126,7 @@ async def generate_groups(
     generate_fn: GenerateFn | None = None,
     stats: RolloutStats | None = None,
     generate_fn_name: str = "rollout.generate_fn",
+    return_routing: bool = False,
 ) -> list[Group]:
     """Sample ``n_samples`` rollouts per prompt.
 
@@ -122,10 +136,13 @@ async def generate_groups(
     prompt an empty group and counts ``n_samples`` failed rollouts in ``stats`` (its first cause
     kept, reported under ``generate_fn_name``); without ``stats`` it raises an
     :class:`~rl_core.errors.RLError` with that cause instead. ``stats.rollouts`` counts the
-    rollouts asked for.
+    rollouts asked for. ``return_routing``: every request asks for the engine's expert routing
+    (a ``generate_fn`` sees it as ``ctx.return_routing``).
     """
     if generate_fn is None:
-        requests = sample_requests(prompts, sampling, n_samples, seed_parts)
+        requests = sample_requests(
+            prompts, sampling, n_samples, seed_parts, return_routing=return_routing
+        )
         if stats is not None:
             stats.rollouts += len(requests)
         results = await generator.generate(requests)
@@ -144,6 +161,7 @@ async def generate_groups(
             sampling=dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i)),
             n_samples=n_samples,
             policy_version=policy_version,
+            return_routing=return_routing,
         )
         try:
             out = generate_fn(p, ctx)
@@ -255,6 +273,7 @@ async def generate_groups_resumable(
     seed_parts: tuple[Any, ...],
     updates: WeightUpdates,
     stats: PartialStats,
+    return_routing: bool = False,
 ) -> list[Group]:
     """The default single-turn sampling of :func:`generate_groups`, interruptible by weight
     updates (``rl.partial_rollouts``).
@@ -265,9 +284,13 @@ async def generate_groups_resumable(
     (``updates.catch_up``), then come back out (``buffer.take_partial``) and continue
     token-in/token-out on the new weights with the rest of their ``max_new_tokens`` budget and a
     fresh seed per (sample, version). Groups are returned when every rollout finished; a rollout
-    whose budget ran out exactly at the abort is truncated.
+    whose budget ran out exactly at the abort is truncated. With ``return_routing`` the resumed
+    requests ask for routing too, and a continued rollout takes the resumed request's routing
+    (:func:`rl_buffer.partial.continue_rollout`).
     """
-    requests = sample_requests(prompts, sampling, n_samples, seed_parts)
+    requests = sample_requests(
+        prompts, sampling, n_samples, seed_parts, return_routing=return_routing
+    )
     prompt_of = {q.request_id: prompts[k // n_samples] for k, q in enumerate(requests)}
     index_of = {q.request_id: k for k, q in enumerate(requests)}
     done: dict[str, Rollout] = {}

@@ -29,6 +29,7 @@ from rl_core.algorithms import compute_loss_weights
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.errors import RLError
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
+from rl_trainer import routing
 from rl_trainer.build import component_name
 from rl_trainer.failures import exhausted_error
 from rl_trainer.pipeline import Weights
@@ -87,6 +88,7 @@ async def generate(
         generate_fn=run.parts.generate_fn,
         stats=stats,
         generate_fn_name=component_name("rollout.generate_fn", run.config.rollout.generate_fn),
+        return_routing=run.config.rollout.routing_replay != "off",
     )
 
 
@@ -124,6 +126,7 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
                 seed_parts=seed_parts,
                 updates=run.pipeline,
                 stats=partial,
+                return_routing=cfg.routing_replay != "off",
             )
             round_stats.rollouts += sum(len(g.rollouts) for g in groups)
         else:
@@ -362,15 +365,19 @@ def rl_batch(run: Trainer, groups: Sequence[Group]) -> TrainBatch:
         rollout_ids=[r.rollout_id for r in rollouts],
         constant=alg.aggregation_constant,
     )
+    # The engine's routing stays on the batch; the policies see it only under replay.
+    mode = cfg.rollout.routing_replay
     if run.reference is not None:
-        batch.ref_logprobs = run.reference.compute_logprobs(batch).logprobs
+        batch.ref_logprobs = run.reference.compute_logprobs(
+            routing.for_policy(batch, mode)
+        ).logprobs
     # One optimizer step per batch: the policy before the step is the current one, so old
     # log-probs equal the live ones and the loss uses those (detached); no extra forward.
     # Tokens sampled by an older policy (stale rounds, surplus groups the dynamic sampler
     # carries over) differ from it as the behaviour policy: `train/mismatch` measures that
     # against the rollout log-probs and `algorithm.loss.correction: tis` corrects it.
     if alg.recompute_old_logprobs:
-        batch.old_logprobs = policy.compute_logprobs(batch).logprobs
+        batch.old_logprobs = policy.compute_logprobs(routing.for_policy(batch, mode)).logprobs
     return batch
 
 
@@ -381,6 +388,16 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
     the trainer thread."""
     t0 = time.perf_counter()
     batch = rl_batch(run, groups)
+    rcfg = run.config.rollout
+    routing_record: dict[str, float] = {}
+    if rcfg.routing_replay != "off":
+        batch, routing_record = routing.routing_step(
+            run.policy,
+            batch,
+            mode=rcfg.routing_replay,
+            step=run.state["rl_step"] + 1,
+            no_replay_every=rcfg.routing_no_replay_every,
+        )
     m = run.policy.train_step(batch, run.parts.loss_fn)
     critic_record: dict[str, Any] = {}
     if run.critic is not None:
@@ -408,6 +425,7 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
     record["train/episodes"] = len(
         {(i, r.rollout_id) for i, g in enumerate(groups) for r in g.rollouts}
     )
+    record.update(routing_record)
     record["perf/train_time"] = train_time
     record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
     return record

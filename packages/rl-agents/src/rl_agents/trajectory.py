@@ -64,9 +64,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rl_core.config import PositiveInt
 from rl_core.errors import ConfigError, DataError
 from rl_core.interfaces import Tokenizer
+from rl_core.routing import pad_routing
 from rl_core.types import FinishReason, GenerationResult, Rollout, RolloutStatus, SamplingParams
 
 __all__ = ["TrajectoryBuilder", "Turn", "TurnKind", "siblings"]
@@ -143,6 +146,11 @@ class TrajectoryBuilder:
         self._versions: list[int] = []
         self._turns: list[Turn] = []
         self._version = int(version)
+        # Expert routing [rows, L, K] (``GenerationRequest.return_routing``): the rows of the
+        # first engine pass that ran each token; ``_routed_rows`` of them were really run
+        # (the last sampled token of a turn is not, until the next turn's prefill runs it).
+        self._routing: torch.Tensor | None = None
+        self._routed_rows = 0
 
     # ---------------------------------------------------------------------------------------
     # Reading
@@ -246,6 +254,7 @@ class TrajectoryBuilder:
                     f"{where}: log-prob {i} is {lp!r}; log-probs must be finite numbers <= 0 "
                     "(pass the engine's log-probs, not probabilities or logits)."
                 )
+        self._take_routing(result, where)
         version = int(result.weight_version)
         self._extend(ids, 1, logps, version)
         self._version = version
@@ -260,6 +269,38 @@ class TrajectoryBuilder:
             )
         )
         self._check_aligned(turn)
+
+    def _take_routing(self, result: GenerationResult, where: str) -> None:
+        """Keep the turn's routing (checked before anything is appended): the rows of tokens
+        an earlier turn already ran stay, the rest (this turn's prompt part the engine ran for
+        the first time, and its output) come from this turn."""
+        routed = result.routed_experts
+        if routed is None:
+            if self._routing is not None:
+                raise DataError(
+                    f"{where}: an earlier turn returned routed_experts but this one did not; ask "
+                    "for it on every turn (ctx.generate does when rollout.routing_replay is on)."
+                )
+            return
+        want = len(self._tokens) + len(result.output_ids)
+        if routed.dim() != 3 or routed.shape[0] != want:
+            raise DataError(
+                f"{where}: routed_experts has shape {tuple(routed.shape)}, expected {want} rows "
+                "(the request's input tokens, i.e. the trajectory so far, plus the output); "
+                "send the whole trajectory (builder.input_ids) as the request's input."
+            )
+        if self._routing is None:
+            if self._turns:
+                raise DataError(
+                    f"{where}: this turn returned routed_experts but an earlier one did not; "
+                    "ask for it on every turn."
+                )
+            merged = routed
+        else:
+            keep = self._routed_rows
+            merged = torch.cat([self._routing[:keep].to(routed.dtype), routed[keep:]])
+        self._routing = merged
+        self._routed_rows = want - 1 if result.output_ids else want
 
     def append_tokens(self, ids: Sequence[int], *, version: int | None = None) -> None:
         """Append tool/observation token ids with mask 0 and log-prob 0.
@@ -380,6 +421,10 @@ class TrajectoryBuilder:
             versions=tuple(self._versions[:r_end]),
             status=status,
             metadata=meta,
+            # Tool tokens after the last model turn were never run: padded rows.
+            routed_experts=(
+                pad_routing(self._routing, len(tokens)) if self._routing is not None else None
+            ),
         )
 
     # ---------------------------------------------------------------------------------------

@@ -41,6 +41,16 @@ logger = logging.getLogger(__name__)
 _STATE_FORMAT = 1
 
 
+def _routing_bytes(groups: Sequence[Group] | deque[Group]) -> int:
+    """Bytes of the ``routed_experts`` tensors of the rollouts of ``groups``."""
+    return sum(
+        r.routed_experts.numel() * r.routed_experts.element_size()
+        for g in groups
+        for r in g.rollouts
+        if r.routed_experts is not None
+    )
+
+
 class GroupBuffer(Buffer):
     """FIFO of scored groups; see the module docstring."""
 
@@ -65,6 +75,11 @@ class GroupBuffer(Buffer):
         max_groups: PositiveInt | None = None
         """Cap on stored trainable groups; ``put`` beyond it drops the oldest (counted). ``None``:
         unbounded."""
+        max_routing_bytes: PositiveInt | None = None
+        """Budget, in bytes, for the expert routing the held rollouts carry
+        (``Rollout.routed_experts``, trainable and partial groups together). A ``put`` or
+        ``put_partial`` that would exceed it is refused with a ``ConfigError`` before anything
+        is stored, so routing replay can never grow host memory past it. ``None``: no budget."""
 
         def __post_init__(self) -> None:
             if self.max_staleness is not None and self.max_staleness < 0:
@@ -74,6 +89,10 @@ class GroupBuffer(Buffer):
             if self.on_stale not in ("drop", "recycle"):
                 raise ConfigError(
                     f"buffer.on_stale: {self.on_stale!r}; expected 'drop' or 'recycle'."
+                )
+            if self.max_routing_bytes is not None and self.max_routing_bytes < 1:
+                raise ConfigError(
+                    f"buffer.max_routing_bytes: must be >= 1 or None, got {self.max_routing_bytes}."
                 )
             if self.max_groups is not None and self.max_groups < 1:
                 raise ConfigError(
@@ -91,8 +110,37 @@ class GroupBuffer(Buffer):
 
     # -- trainable groups ------------------------------------------------------------------
 
+    def routing_bytes(self) -> int:
+        """Bytes of expert routing held (trainable and partial groups)."""
+        return _routing_bytes(self._groups) + _routing_bytes(self._partial)
+
+    def _check_routing_budget(self, groups: Sequence[Group], where: str) -> None:
+        """Refuse ``groups`` if their routing would take the buffer past its budget."""
+        budget = self.config.max_routing_bytes
+        if budget is None:
+            return
+        incoming = _routing_bytes(groups)
+        if not incoming:
+            return
+        held = self.routing_bytes()
+        if held + incoming > budget:
+            tokens = sum(len(r.tokens) for g in groups for r in g.rollouts)
+            raise ConfigError(
+                f"buffer.max_routing_bytes: {where} of {len(groups)} groups would hold "
+                f"{held + incoming} bytes of expert routing ({held} held + {incoming} for "
+                f"{tokens} tokens, {incoming / max(tokens, 1):.0f} bytes/token) over the budget "
+                f"of {budget}. Raise buffer.max_routing_bytes, keep fewer groups in flight "
+                "(rollout.prompts_per_step, rl.max_staleness, buffer.max_groups), or set "
+                "rollout.routing_replay: off."
+            )
+
     def put(self, groups: Sequence[Group]) -> None:
-        """Append scored groups (any rollout status; filters decide what is trained on)."""
+        """Append scored groups (any rollout status; filters decide what is trained on).
+
+        Raises:
+            ConfigError: their routing would exceed ``max_routing_bytes`` (nothing stored).
+        """
+        self._check_routing_budget(groups, "put")
         self._groups.extend(groups)
         self.counters["put"] += len(groups)
         cap = self.config.max_groups
@@ -180,7 +228,11 @@ class GroupBuffer(Buffer):
         """Store groups with aborted rollouts (tokens, log-probs and versions so far) to resume.
 
         A group may mix finished and aborted rollouts; the generator resumes the aborted ones.
+
+        Raises:
+            ConfigError: their routing would exceed ``max_routing_bytes`` (nothing stored).
         """
+        self._check_routing_budget(groups, "put_partial")
         for g in groups:
             if not any(r.status == RolloutStatus.ABORTED for r in g.rollouts):
                 logger.debug("put_partial: group %s has no aborted rollout", g.uid)
@@ -207,6 +259,7 @@ class GroupBuffer(Buffer):
             "buffer/groups": float(len(self._groups)),
             "buffer/partial_groups": float(len(self._partial)),
             "buffer/recycled_prompts": float(len(self._recycled)),
+            "buffer/routing_bytes": float(self.routing_bytes()),
         }
         out.update({f"buffer/{k}": float(v) for k, v in self.counters.items()})
         return out

@@ -376,13 +376,21 @@ class RolloutContext:
     """Rollouts wanted for the prompt (GRPO group size)."""
     policy_version: int
     """Version of the policy the generator should be serving."""
+    return_routing: bool = False
+    """Ask the engine for the experts it routed every token to (``rollout.routing_replay``);
+    :meth:`generate` sets it on its requests. Keep ``GenerationResult.routed_experts`` in the
+    rollout (``TrajectoryBuilder`` does)."""
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams | None = None, *, request_id: str
     ) -> GenerationResult:
-        """Sample one continuation of ``input_ids``."""
+        """Sample one continuation of ``input_ids`` (with the routing when
+        :attr:`return_routing`)."""
         req = GenerationRequest(
-            request_id=request_id, input_ids=tuple(input_ids), sampling=sampling or self.sampling
+            request_id=request_id,
+            input_ids=tuple(input_ids),
+            sampling=sampling or self.sampling,
+            return_routing=self.return_routing,
         )
         (result,) = await self.generator.generate([req])
         return result

@@ -18,6 +18,7 @@ from typing import Any
 from rl_hf.version import __version__
 
 __all__ = [
+    "TINY_MOE",
     "HFCritic",
     "HFGenerator",
     "HFPolicy",
@@ -31,6 +32,7 @@ _LAZY = {
     "HFCritic": "rl_hf.critic",
     "HFGenerator": "rl_hf.generator",
     "HFPolicy": "rl_hf.policy",
+    "TINY_MOE": "rl_hf.tiny",
     "TinyModelSpec": "rl_hf.tiny",
     "build_tiny_model": "rl_hf.tiny",
     "build_tokenizer": "rl_hf.tokenizer",

@@ -56,9 +56,10 @@ from typing import Annotated, Any, ClassVar
 
 import torch
 
-from rl_core.config import NonNegInt, PositiveInt, Range, Seed
+from rl_core.config import NonNegFloat, NonNegInt, PositiveInt, Range, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
+from rl_core.routing import pad_routing
 from rl_core.types import (
     FinishReason,
     GenerationRequest,
@@ -93,6 +94,10 @@ class HFGenerator(Generator):
     """:meth:`abort` ends queued and running requests at the next decode step."""
     supports_pause: ClassVar[bool] = True
     """:meth:`pause` holds queued requests (the running batch finishes) until :meth:`resume`."""
+    supports_routing: ClassVar[bool] = True
+    """On a mixture-of-experts model, ``return_routing`` gives the router's top-k for every
+    token (read from the model's router modules); a dense model asked for it raises
+    ``ConfigError``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -120,6 +125,12 @@ class HFGenerator(Generator):
         """Compact the batch and its KV cache when this share of its rows finished (1 = never)."""
         initial_version: NonNegInt = 0
         """Weight version reported before the first update."""
+        router_logit_noise_std: NonNegFloat = 0.0
+        """Gaussian noise of this standard deviation added to every MoE router's logits before
+        the top-k (0 = none). It makes the engine's routing differ from the trainer's on purpose
+        (a stand-in for a different inference kernel), to measure routing replay; the noise
+        draws come from one generator seeded with ``seed``, so results then depend on batching.
+        Needs a mixture-of-experts model."""
 
         def __post_init__(self) -> None:
             if self.dtype not in _DTYPES:
@@ -134,6 +145,11 @@ class HFGenerator(Generator):
             if self.max_batch_size < 1:
                 raise ConfigError(
                     f"HFGenerator.Config.max_batch_size: must be >= 1, got {self.max_batch_size}."
+                )
+            if self.router_logit_noise_std < 0:
+                raise ConfigError(
+                    "HFGenerator.Config.router_logit_noise_std: must be >= 0, got "
+                    f"{self.router_logit_noise_std}."
                 )
             if not 0 < self.compact_fraction <= 1:
                 raise ConfigError(
@@ -167,6 +183,20 @@ class HFGenerator(Generator):
                 )
         self.model = model.to(config.device).eval()
         self.model.requires_grad_(False)
+        from rl_hf._moe import RouterTap
+
+        self._router_tap = RouterTap.attach(self.model)  # None for a dense model
+        if config.router_logit_noise_std > 0:
+            if self._router_tap is None:
+                raise ConfigError(
+                    "HFGenerator.Config.router_logit_noise_std: the model "
+                    f"({type(self.model).__name__}) has no mixture-of-experts router to add "
+                    "noise to; set it to 0 for a dense model."
+                )
+            self._router_tap.noise_std = float(config.router_logit_noise_std)
+            self._router_tap.noise_generator = torch.Generator(self.model.device).manual_seed(
+                config.seed
+            )
         if tokenizer is None:
             tok_path = Path(config.tokenizer_path or config.model_path)
             try:
@@ -363,6 +393,12 @@ class HFGenerator(Generator):
     # ------------------------------------------------------------------ queueing
 
     def _check_request(self, req: GenerationRequest) -> None:
+        if req.return_routing and self._router_tap is None:
+            raise ConfigError(
+                f"rollout.routing_replay: request {req.request_id!r} asks for the routed experts "
+                f"but the served model ({type(self.model).__name__}) is not a mixture-of-experts "
+                "model; set rollout.routing_replay: off for a dense model."
+            )
         if not req.input_ids:
             raise GenerationError(
                 f"HFGenerator.generate: request {req.request_id!r} has empty input_ids; send at "
@@ -441,9 +477,22 @@ class HFGenerator(Generator):
         ids_BL, mask_BL, pos_BL, lens_B = self._pack_prompts(reqs)
         st = self._row_state(batch, mask_BL, lens_B, T)
         cache = DynamicCache(config=self.model.config)
-        logits_AV = self._prefill(reqs, ids_BL, mask_BL, pos_BL, cache)
-        t1 = time.perf_counter()
-        steps = self._decode(batch, st, cache, logits_AV, prompt_len=ids_BL.shape[1], epoch=epoch)
+        tap = self._router_tap
+        record = tap is not None and any(r.return_routing for r in reqs)
+        with tap.recording() if tap is not None and record else contextlib.nullcontext() as rec:
+            logits_AV = self._prefill(reqs, ids_BL, mask_BL, pos_BL, cache)
+            if rec is not None and tap is not None:
+                # [B, L, layers, K] left-padded like the prompts; step t's row goes to route[:, t]
+                st["prompt_route"] = _prefill_routing(
+                    reqs, rec.take(), ids_BL.shape[1], tap.shape.dtype
+                )
+                st["route"] = st["prompt_route"].new_zeros(
+                    (len(reqs), T, tap.shape.num_layers, tap.shape.top_k)
+                )
+            t1 = time.perf_counter()
+            steps = self._decode(
+                batch, st, cache, logits_AV, prompt_len=ids_BL.shape[1], epoch=epoch, rec=rec
+            )
         t2 = time.perf_counter()
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "rows": len(reqs)}
 
@@ -554,6 +603,7 @@ class HFGenerator(Generator):
         *,
         prompt_len: int,
         epoch: int,
+        rec: Any = None,
     ) -> int:
         """Sample until every row stopped, hit its length or was aborted; each row's result is
         posted as soon as it ends. Returns the number of decode steps taken."""
@@ -591,7 +641,7 @@ class HFGenerator(Generator):
                     ended_A |= hit_A
             if bool(ended_A.any()):
                 rows = ended_A.nonzero().squeeze(-1).tolist()
-                _emit(batch, st, rows, t + 1, stop_A, hit_A, version)
+                _emit(batch, st, rows, t + 1, stop_A, hit_A, version, prompt_len)
             n_live = int(live_A.sum())
             if n_live == 0:
                 break
@@ -603,6 +653,8 @@ class HFGenerator(Generator):
                 tok_A, live_A = tok_A[keep_A], live_A[keep_A]
                 any_greedy = bool(st["greedy"].any())
             logits_AV = self._decode_step(tok_A, st, cache, prompt_len + t + 1)
+            if rec is not None:
+                st["route"][:, t] = rec.take().to("cpu", st["route"].dtype)
             st["pos"] += 1
         return steps
 
@@ -635,6 +687,21 @@ class HFGenerator(Generator):
         ).logits[:, -1]
 
 
+def _prefill_routing(
+    reqs: list[GenerationRequest], prefill_NLK: torch.Tensor, L: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The routing of the prefill (``[U * L, layers, K]``, one row per distinct prompt, in
+    :meth:`HFGenerator._prefill`'s order, and position) as ``[B, L, layers, K]``, one row per
+    request, left-padded like the prompts, in the compact ``dtype``."""
+    first: dict[tuple[int, ...], int] = {}
+    for b, r in enumerate(reqs):
+        first.setdefault(r.input_ids, b)
+    row_of = {b: u for u, b in enumerate(sorted(first.values()))}
+    expand_B = torch.tensor([row_of[first[r.input_ids]] for r in reqs], dtype=torch.long)
+    route_ULNK = prefill_NLK.to("cpu", dtype).view(len(first), L, *prefill_NLK.shape[1:])
+    return route_ULNK[expand_B]
+
+
 def _emit(
     batch: list[_Pending],
     st: dict[str, torch.Tensor],
@@ -643,9 +710,14 @@ def _emit(
     stop_A: torch.Tensor,
     hit_A: torch.Tensor | None,
     version: int,
+    prompt_len: int,
 ) -> None:
     """Post the results of rows ``a_rows`` (indices into the rows still in the batch), each with
-    its first ``n`` tokens and why it ended: a stop token, an abort, or its length."""
+    its first ``n`` tokens and why it ended: a stop token, an abort, or its length.
+
+    Routing (requests with ``return_routing``): the prompt's rows from the prefill, then one row
+    per output token the model was run on (all but the last), padded to ``P + n`` rows
+    (:func:`rl_core.routing.pad_routing`)."""
     stop_l = stop_A.tolist()
     hit_l = hit_A.tolist() if hit_A is not None else None
     rows_l = st["row"].tolist()
@@ -657,12 +729,18 @@ def _emit(
         else:
             reason = FinishReason.LENGTH
         p = batch[rows_l[a]]
+        routed = None
+        if p.request.return_routing and "route" in st:
+            P = len(p.request.input_ids)
+            prompt_PLK = st["prompt_route"][a, prompt_len - P :]
+            routed = pad_routing(torch.cat([prompt_PLK, st["route"][a, : n - 1]]), P + n).clone()
         res = GenerationResult(
             request_id=p.request.request_id,
             output_ids=tuple(st["ids"][a, :n].tolist()),
             output_logprobs=tuple(st["lp"][a, :n].tolist()),
             finish_reason=reason,
             weight_version=version,
+            routed_experts=routed,
         )
         _post(p.loop, _resolve, p.future, res)
 

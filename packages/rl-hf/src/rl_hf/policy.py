@@ -93,6 +93,23 @@ def token_logprobs(
     return logp_T, entropy_T
 
 
+def _hf_state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict (in-memory names) of the Hugging Face model saved in ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_hf._hf import quiet_progress
+
+    try:
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: transformers cannot load the saved model ({e}); was it written by "
+            "HFPolicy.save?"
+        ) from e
+    return {n: t.detach() for n, t in model.state_dict().items()}
+
+
 class HFPolicy(OffloadMixin, Policy):
     """A trainable Hugging Face causal LM (``AutoModelForCausalLM``) on one device.
 
@@ -143,6 +160,9 @@ class HFPolicy(OffloadMixin, Policy):
     supports_offload: ClassVar[bool] = True
     """``offload``/``onload`` move weights, gradients and AdamW state to host memory and back
     bitwise (:mod:`rl_hf._offload`)."""
+    supports_routing_replay: ClassVar[bool] = True
+    """On a mixture-of-experts model, replays ``TrainBatch.routed_experts`` (a dense model given
+    routing raises ``ConfigError``)."""
 
     def __init__(self, config: Config) -> None:
         """Load the model and tokenizer from ``config.model_path`` and build the optimizer.
@@ -153,6 +173,7 @@ class HFPolicy(OffloadMixin, Policy):
         from transformers import AutoModelForCausalLM
 
         from rl_hf._hf import quiet_progress
+        from rl_hf._moe import RouterTap
         from rl_hf._packed_attention import ATTN_NAME, register_packed_attention
 
         self.config = config
@@ -180,6 +201,8 @@ class HFPolicy(OffloadMixin, Policy):
         """The tokenizer saved with the model (``AutoTokenizer`` of ``model_path``)."""
         self._check_saveable(path)
         self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self._router_tap = RouterTap.attach(self.model)  # None for a dense model
+        self._routing_sink: list[torch.Tensor] | None = None
         self._version = 0
         self._params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(  # state is allocated lazily, at the first step
@@ -310,7 +333,7 @@ class HFPolicy(OffloadMixin, Policy):
                 with_entropy=with_entropy,
             )
         position_ids_T, kwargs = self._packed_inputs(batch)
-        logits_1TV = self.model(**kwargs).logits
+        logits_1TV = self._forward(batch, kwargs)
         return token_logprobs(
             logits_1TV[0],
             tokens_T,
@@ -319,23 +342,51 @@ class HFPolicy(OffloadMixin, Policy):
             with_entropy=with_entropy,
         )
 
+    def _forward(self, batch: TrainBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+        """``logits [1, T, V]`` of one packed micro-batch. On a mixture-of-experts model every
+        MoE layer uses ``batch.routed_experts`` when given (routing replay, see
+        :mod:`rl_hf._moe`), and the router's own choice goes to the routing sink when one is
+        open (:meth:`compute_logprobs`)."""
+        tap = self._router_tap
+        if tap is None:
+            if batch.routed_experts is not None:
+                raise ConfigError(
+                    "rollout.routing_replay: the batch carries routed_experts but the policy "
+                    f"model ({type(self.model).__name__}) has no mixture-of-experts router to "
+                    "replay them on; set rollout.routing_replay: off for a dense model."
+                )
+            return self.model(**kwargs).logits
+        with tap.recording() as rec, tap.replaying(batch.routed_experts):
+            logits_1TV = self.model(**kwargs).logits
+        if self._routing_sink is not None:
+            self._routing_sink.append(rec.routing().to(tap.shape.dtype))
+        return logits_1TV
+
     def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
         """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens``, without gradients.
 
         Runs one forward per micro-batch of ``batch.micro_batch_bounds`` (bounding memory) and
-        returns float32 tensors on the device of ``batch.tokens``.
+        returns float32 tensors on the device of ``batch.tokens``. On a mixture-of-experts model
+        ``batch.routed_experts`` (when given) is replayed, and ``routed_experts`` of the output is
+        the router's own choice ``[T, L, K]`` (compact dtype), replay or not.
         """
         logps, ents = [], []
-        with torch.no_grad():
-            for mb in batch.micro_batches():
-                logp_T, ent_T = self._packed_logprobs(mb, with_entropy=with_entropy)
-                logps.append(logp_T)
-                if ent_T is not None:
-                    ents.append(ent_T)
+        routing: list[torch.Tensor] = []
+        self._routing_sink = routing if self._router_tap is not None else None
+        try:
+            with torch.no_grad():
+                for mb in batch.micro_batches():
+                    logp_T, ent_T = self._packed_logprobs(mb, with_entropy=with_entropy)
+                    logps.append(logp_T)
+                    if ent_T is not None:
+                        ents.append(ent_T)
+        finally:
+            self._routing_sink = None
         out_device = batch.tokens.device
         logp_T = torch.cat(logps).to(out_device)
         ent_T = torch.cat(ents).to(out_device) if with_entropy else None
-        return LogProbOutput(logprobs=logp_T, entropy=ent_T)
+        routed_TLK = torch.cat(routing).to(out_device) if routing else None
+        return LogProbOutput(logprobs=logp_T, entropy=ent_T, routed_experts=routed_TLK)
 
     # ------------------------------------------------------------------ training
 
@@ -538,6 +589,11 @@ class HFPolicy(OffloadMixin, Policy):
             tensors.update(load_file(str(f)))
         expected = {n for n, _ in self.named_weights()}
         missing = sorted(expected - set(tensors))
+        if missing and (src / "config.json").is_file():
+            # transformers saves some families in their hub layout (Qwen3-MoE: one tensor per
+            # expert) and fuses them on load; let it convert back to the in-memory names.
+            tensors = _hf_state_dict(src, self.model.dtype)
+            missing = sorted(expected - set(tensors))
         if missing:
             raise CheckpointError(
                 f"{src}: weights {missing[:3]} missing from the checkpoint; was it saved from "

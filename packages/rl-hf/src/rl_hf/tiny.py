@@ -23,15 +23,17 @@ from rl_core.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["TinyModelSpec", "build_tiny_model", "tiny_model_config"]
+__all__ = ["TINY_MOE", "TinyModelSpec", "build_tiny_model", "tiny_model_config"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TinyModelSpec:
     """Architecture and seed of a tiny random model."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Hugging Face ``model_type``: ``"qwen2"`` (q/k/v biases) or ``"llama"`` (no biases)."""
+    arch: Literal["qwen2", "llama", "qwen3_moe"] = "qwen2"
+    """Hugging Face ``model_type``: ``"qwen2"`` (q/k/v biases), ``"llama"`` (no biases) or
+    ``"qwen3_moe"`` (Qwen3 mixture-of-experts: every layer's MLP is ``num_experts`` routed
+    experts, ``moe_top_k`` per token, top-k probabilities renormalised)."""
     hidden_size: PositiveInt = 64
     """Model width."""
     num_layers: PositiveInt = 2
@@ -48,10 +50,26 @@ class TinyModelSpec:
     """Longest sequence the rotary embedding is configured for."""
     seed: Seed = 0
     """Seed of the random initialisation."""
+    num_experts: PositiveInt = 8
+    """Routed experts per MoE layer (``qwen3_moe`` only)."""
+    moe_top_k: PositiveInt = 2
+    """Experts each token is sent to (``qwen3_moe`` only)."""
+    moe_intermediate_size: PositiveInt = 64
+    """SwiGLU width of one expert (``qwen3_moe`` only)."""
+    router_init_std: float | None = None
+    """Standard deviation of the router weights at initialisation (``qwen3_moe`` only);
+    ``None`` = the model's ``initializer_range`` (0.02), which leaves the router near uniform."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ("qwen2", "llama"):
-            raise ConfigError(f"TinyModelSpec.arch: {self.arch!r} is not 'qwen2' or 'llama'.")
+        if self.arch not in ("qwen2", "llama", "qwen3_moe"):
+            raise ConfigError(
+                f"TinyModelSpec.arch: {self.arch!r} is not 'qwen2', 'llama' or 'qwen3_moe'."
+            )
+        if self.moe_top_k > self.num_experts:
+            raise ConfigError(
+                f"TinyModelSpec.moe_top_k: {self.moe_top_k} exceeds num_experts="
+                f"{self.num_experts}; a token cannot go to more experts than exist."
+            )
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"TinyModelSpec.hidden_size: {self.hidden_size} is not divisible by num_heads="
@@ -70,6 +88,16 @@ def tiny_model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -
 
     eos = tokenizer.eos_token_id
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    moe: dict[str, Any] = {}
+    if spec.arch == "qwen3_moe":
+        moe = {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.moe_top_k,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     return AutoConfig.for_model(
         spec.arch,
         vocab_size=len(tokenizer),
@@ -85,6 +113,7 @@ def tiny_model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        **moe,
     )
 
 
@@ -123,9 +152,32 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if spec.arch == "qwen3_moe" and spec.router_init_std is not None:
+            from rl_hf._moe import find_routers
+
+            with torch.no_grad():
+                for router in find_routers(model):
+                    router.weight.normal_(0.0, spec.router_init_std)
     model.eval()
     with quiet_progress():
         model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return out
+
+
+TINY_MOE = TinyModelSpec(
+    arch="qwen3_moe",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    num_experts=8,
+    moe_top_k=2,
+    moe_intermediate_size=64,
+    router_init_std=0.5,
+)
+"""A tiny Qwen3-MoE: 2 layers, 8 experts, top-2 (renormalised), expert width 64. The router
+weights start at std 0.5 so its logits are not near-uniform (with the stock 0.02 every routing
+is a near tie and any float round-off flips it)."""

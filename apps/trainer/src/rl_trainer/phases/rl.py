@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_trainer import samples, stages
+from rl_trainer import routing, samples, stages
 from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
 from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
@@ -83,6 +83,7 @@ async def start(trainer: Trainer) -> bool:
     temperature = cfg.rollout.sampling.temperature or 1.0
     trainer.policy = build_policy(cfg, runtime, start_path, temperature=temperature)
     trainer.generator = await build_generator(cfg, runtime, start_path)
+    routing.check_support(cfg.rollout.routing_replay, trainer.policy, trainer.generator)
     if cfg.algorithm.use_reference:
         trainer.reference = build_policy(
             cfg, runtime, start_path, role="reference", temperature=temperature
