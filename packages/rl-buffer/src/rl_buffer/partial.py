@@ -51,6 +51,9 @@ def continue_rollout(rollout: Rollout, result: GenerationResult) -> Rollout:
         from rl_core.routing import pad_routing
 
         routed = pad_routing(result.routed_experts, n)
+    elif rollout.routed_experts is not None and k == 0:
+        # Aborted again before the engine ran it: nothing new, the old routing still covers it.
+        routed = rollout.routed_experts
     elif rollout.routed_experts is not None:
         raise ValueError(
             f"continue_rollout: rollout {rollout.sample_id} carries routed_experts but the "
