@@ -16,7 +16,8 @@ subprocess:
 
 ``chunked`` is ``logprob_chunk_tokens=1024`` (the default), ``unchunked`` is 0 (the model's own
 ``[T, V]`` logits). Where an unchunked case is skipped (``--max-unchunked``, to fit the host),
-its value is extrapolated linearly from the measured ones and marked ``"extrapolated"``.
+its value is extrapolated linearly from the measured ones and marked ``"extrapolated"``;
+``--extrapolate`` adds lengths not run at all (both paths extrapolated, marked likewise).
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/memory.py [--device cuda] [--layers 30]``. Writes
 ``benchmarks/results/memory.json`` (or ``--out``). Not a test.
@@ -197,6 +198,11 @@ def main() -> None:
         default=1 << 30,
         help="skip unchunked runs above this many tokens (extrapolated instead)",
     )
+    ap.add_argument(
+        "--extrapolate",
+        default="",
+        help="also report these lengths, extrapolated linearly from the measured ones",
+    )
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -224,13 +230,27 @@ def main() -> None:
                 row[f"{name}_seconds"] = round(res["seconds"], 2)
             rows.append(row)
     measured = [(r["tokens"], r["unchunked_bytes"]) for r in rows if "unchunked_bytes" in r]
+    measured_c = [(r["tokens"], r["chunked_bytes"]) for r in rows if "chunked_bytes" in r]
+    for tokens in [int(x) for x in args.extrapolate.split(",") if x]:
+        if len(measured_c) >= 2:
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "chunked_bytes": _extrapolate(measured_c, tokens),
+                    "chunked_extrapolated": True,
+                }
+            )
     for r in rows:
         if "unchunked_bytes" not in r and len(measured) >= 2:
             r["unchunked_bytes"] = _extrapolate(measured, r["tokens"])
             r["unchunked_extrapolated"] = True
         if "unchunked_bytes" in r and "chunked_bytes" in r:
             r["ratio"] = round(r["chunked_bytes"] / r["unchunked_bytes"], 4)
-    chunked = [(r["tokens"], r["chunked_bytes"]) for r in rows if "chunked_bytes" in r]
+    chunked = [
+        (r["tokens"], r["chunked_bytes"])
+        for r in rows
+        if "chunked_bytes" in r and not r.get("chunked_extrapolated")
+    ]
     per_token = [round(b / t) for t, b in chunked]
     result = {
         "what": "peak memory of one HFPolicy step (log-probs + entropy with grad, loss, "
@@ -251,11 +271,12 @@ def main() -> None:
     for r in rows:
         un = r.get("unchunked_bytes")
         mark = "*" if r.get("unchunked_extrapolated") else " "
+        cmark = "*" if r.get("chunked_extrapolated") else " "
         print(
-            f"{r['tokens']:>7} {r.get('chunked_bytes', 0) / 1e6:>11.0f} "
+            f"{r['tokens']:>7} {r.get('chunked_bytes', 0) / 1e6:>10.0f}{cmark} "
             f"{(un or 0) / 1e6:>12.0f}{mark} {r.get('ratio', float('nan')):>6.3f}"
         )
-    print("* extrapolated linearly from the measured unchunked lengths")
+    print("* extrapolated linearly from the measured lengths")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
