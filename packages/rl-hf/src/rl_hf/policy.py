@@ -26,16 +26,17 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from rl_core.config import OptimizerConfig, PositiveFloat, Seed
+from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, Seed
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
+from rl_core.logprobs import linear_logprobs
 from rl_core.offload import OffloadConfig
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
 from rl_hf._offload import OffloadMixin
@@ -141,6 +142,21 @@ class HFPolicy(OffloadMixin, Policy):
         off nothing random runs today, but stochastic layers stay reproducible."""
         offload: OffloadConfig = field(default_factory=OffloadConfig)
         """What ``offload()`` moves off the device (weights, grads, optimizer state)."""
+        logprob_chunk_tokens: NonNegInt = 1024
+        """Log-probs and entropy come from the final hidden states through the LM head this many
+        positions at a time (:func:`rl_core.logprobs.linear_logprobs`: each chunk's logits are
+        recomputed in backward), so no ``[T, V]`` float32 logits are held for the whole
+        micro-batch. 0: the model's own full logits (more memory, same values). Not used by
+        ``HFCritic`` (its value head has no vocabulary)."""
+        logprob_positions: Literal["all", "loss_mask"] = "all"
+        """Where log-probs (and entropy) are computed: ``"all"`` every token but sequence starts;
+        ``"loss_mask"`` only tokens with ``loss_mask > 0`` (the response; others are 0), which
+        saves the prompt's share of the head's work and memory. Every loss reads log-probs only
+        under the mask, so training is unchanged."""
+        activation_checkpointing: bool = False
+        """Recompute each decoder layer's activations in backward (transformers' gradient
+        checkpointing, non-reentrant) instead of keeping them: less memory, about one more
+        forward of compute per step; gradients unchanged."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -155,6 +171,11 @@ class HFPolicy(OffloadMixin, Policy):
                 raise ConfigError(
                     f"policy.attn_implementation: {self.attn_implementation!r} is not 'sdpa' or "
                     "'eager'."
+                )
+            if self.logprob_positions not in ("all", "loss_mask"):
+                raise ConfigError(
+                    f"policy.logprob_positions: {self.logprob_positions!r} is not 'all' or "
+                    "'loss_mask'."
                 )
 
     supports_offload: ClassVar[bool] = True
@@ -203,6 +224,9 @@ class HFPolicy(OffloadMixin, Policy):
         self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self._router_tap = RouterTap.attach(self.model)  # None for a dense model
         self._routing_sink: list[torch.Tensor] | None = None
+        self._check_head_for_hidden_path(path)
+        if config.activation_checkpointing:
+            _enable_activation_checkpointing(self.model)
         self._version = 0
         self._params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(  # state is allocated lazily, at the first step
@@ -217,6 +241,30 @@ class HFPolicy(OffloadMixin, Policy):
             self.optimizer,
             lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
         )
+
+    def _uses_hidden_path(self) -> bool:
+        """Log-probs come from hidden states + the LM head (chunked or position-selected)."""
+        return self.config.logprob_chunk_tokens > 0 or self.config.logprob_positions != "all"
+
+    def _check_head_for_hidden_path(self, path: Path) -> None:
+        """The hidden-state path applies the LM head itself: refuse heads it cannot reproduce
+        (a bias, logit scaling or soft-capping the model's own forward applies)."""
+        if not self._uses_hidden_path():
+            return
+        cfg = self.model.config.get_text_config()
+        head = self.model.get_output_embeddings()
+        extra = [
+            name
+            for name in ("logit_scale", "logits_scaling", "final_logit_softcapping")
+            if getattr(cfg, name, None) not in (None, 1, 1.0)
+        ]
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None or extra:
+            why = f"its config sets {extra}" if extra else "its LM head is not a bias-free Linear"
+            raise ConfigError(
+                f"policy.logprob_chunk_tokens: the model in {str(path)!r} cannot be scored from "
+                f"its hidden states ({why}); set policy.logprob_chunk_tokens: 0 and "
+                "policy.logprob_positions: all to use the model's own logits."
+            )
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates (subclasses add their heads)."""
@@ -333,17 +381,38 @@ class HFPolicy(OffloadMixin, Policy):
                 with_entropy=with_entropy,
             )
         position_ids_T, kwargs = self._packed_inputs(batch)
-        logits_1TV = self._forward(batch, kwargs)
-        return token_logprobs(
-            logits_1TV[0],
-            tokens_T,
-            position_ids_T == 0,
+        if not self._uses_hidden_path():
+            logits_1TV = self._forward(batch, lambda: self.model(**kwargs).logits)
+            return token_logprobs(
+                logits_1TV[0],
+                tokens_T,
+                position_ids_T == 0,
+                temperature=self.config.temperature,
+                with_entropy=with_entropy,
+            )
+        # Score from the final hidden states: only the needed positions, in chunks.
+        hidden_TH = self._forward(batch, lambda: self.model.base_model(**kwargs).last_hidden_state)[
+            0
+        ]
+        scored_T = position_ids_T > 0
+        if self.config.logprob_positions == "loss_mask":
+            scored_T &= batch.loss_mask.to(self.device) > 0
+        source_S = scored_T.nonzero()[:, 0] - 1  # the position before each scored token
+        logp_S, ent_S = linear_logprobs(
+            hidden_TH.index_select(0, source_S),
+            self.model.get_output_embeddings().weight,
+            tokens_T[scored_T],
             temperature=self.config.temperature,
             with_entropy=with_entropy,
+            chunk_tokens=self.config.logprob_chunk_tokens,
         )
+        zero_T = torch.zeros(tokens_T.shape[0], dtype=torch.float32, device=self.device)
+        logp_T = zero_T.masked_scatter(scored_T, logp_S)
+        return logp_T, (zero_T.masked_scatter(scored_T, ent_S) if ent_S is not None else None)
 
-    def _forward(self, batch: TrainBatch, kwargs: dict[str, Any]) -> torch.Tensor:
-        """``logits [1, T, V]`` of one packed micro-batch. On a mixture-of-experts model every
+    def _forward(self, batch: TrainBatch, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run()`` (the packed forward of one micro-batch: its logits ``[1, T, V]`` or final
+        hidden states ``[1, T, H]``) under the router tap. On a mixture-of-experts model every
         MoE layer uses ``batch.routed_experts`` when given (routing replay, see
         :mod:`rl_hf._moe`), and the router's own choice goes to the routing sink when one is
         open (:meth:`compute_logprobs`)."""
@@ -355,12 +424,12 @@ class HFPolicy(OffloadMixin, Policy):
                     f"model ({type(self.model).__name__}) has no mixture-of-experts router to "
                     "replay them on; set rollout.routing_replay: off for a dense model."
                 )
-            return self.model(**kwargs).logits
+            return run()
         with tap.recording() as rec, tap.replaying(batch.routed_experts):
-            logits_1TV = self.model(**kwargs).logits
+            out_1TX = run()
         if self._routing_sink is not None:
             self._routing_sink.append(rec.routing().to(tap.shape.dtype))
-        return logits_1TV
+        return out_1TX
 
     def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
         """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens``, without gradients.
@@ -609,3 +678,22 @@ class HFPolicy(OffloadMixin, Policy):
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         self._version = int(state["version"])
+
+
+def _enable_activation_checkpointing(model: Any) -> None:
+    """Turn on transformers' non-reentrant gradient checkpointing of every decoder layer.
+
+    transformers checkpoints a layer only while that layer is in training mode; the policy keeps
+    the model in eval mode (dropout off), so only the layer objects themselves are flagged as
+    training (their submodules, dropout included, stay in eval mode).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True

@@ -7,14 +7,24 @@ product. All reductions are differentiable in Megatron's style (all-reduce forwa
 backward), so the log-probs carry correct gradients into every rank's slice. Vocabulary padding
 columns (ids >= the true vocabulary) are excluded.
 
-Tensor-name legend: ``S`` scored positions, ``V`` this rank's vocabulary slice.
+Long context: :func:`emit_hidden_states` makes the model return its final hidden states instead
+of logits, and :func:`chunked_vocab_parallel_logprobs` applies this rank's LM-head slice to them
+a chunk of positions at a time (:func:`rl_core.logprobs.linear_logprobs`: per chunk, the same
+all-reduced max / sum of exponentials / target logit / ``sum e*z``; logits recomputed in
+backward), so no rank ever holds ``[S, V/tp]`` float32 logits for the whole micro-batch.
+
+Tensor-name legend: ``S`` scored positions, ``V`` this rank's vocabulary slice, ``H`` hidden size.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["vocab_parallel_logprobs"]
+from rl_core.logprobs import linear_logprobs
+
+__all__ = ["chunked_vocab_parallel_logprobs", "emit_hidden_states", "vocab_parallel_logprobs"]
 
 
 def _all_reduce(x: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> torch.Tensor:
@@ -79,3 +89,93 @@ def vocab_parallel_logprobs(
     dot_S = _all_reduce((exp_SV * finite_SV).sum(dim=-1), group)
     entropy_S = (log_sum_S - dot_S / sum_exp_S).clamp_min(0.0)
     return logp_S, entropy_S
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the tensor-parallel group.
+
+    Megatron's ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and
+    returns ``grad``: when the incoming gradient is not contiguous (here it is, being the
+    gradient of the ``transpose(0, 1)`` that ends ``GPTModel.forward``) the reduction lands in a
+    temporary copy and is lost. This one reduces a contiguous tensor and returns that tensor.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def emit_hidden_states(output_layer: Any, group: Any) -> None:
+    """Make a ``ColumnParallelLinear`` output layer return its (TP-mapped) input, not logits.
+
+    The model's forward then ends with the final hidden states ``[N, L, H]`` where it would
+    return logits. The input goes through the same tensor-parallel mapping the layer applies
+    before its matmul (all-gather under sequence parallelism, else an identity whose backward
+    all-reduces the gradient), so the hidden-state gradients of every TP rank's partial head
+    are summed exactly as for the layer's own matmul.
+    """
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    tp = torch.distributed.get_world_size(group) if group is not None else 1
+
+    def forward(input_: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
+        if getattr(output_layer, "sequence_parallel", False):
+            return gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=group
+            ), None
+        if tp > 1:
+            return _CopyToTensorParallel.apply(input_, group), None
+        return input_, None
+
+    output_layer.forward = forward
+
+
+def chunked_vocab_parallel_logprobs(
+    hidden_SH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_S: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: torch.distributed.ProcessGroup | None,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vocab_parallel_logprobs` from hidden states and this rank's head slice, in chunks.
+
+    Args:
+        hidden_SH: ``[S, H]`` final hidden states of the positions to score, already mapped
+            into the tensor-parallel region (see :func:`emit_hidden_states`).
+        weight_VH: ``[V, H]`` this rank's slice of the output-layer weight.
+        targets_S: ``[S]`` int64 global token ids.
+        vocab_start: first global id of the slice.
+        vocab_size: true vocabulary size (padding columns excluded).
+        group: the tensor-parallel process group.
+        chunk_tokens: positions per chunk (> 0).
+        temperature: logits are divided by it first.
+        with_entropy: also return the entropy ``[S]``.
+
+    Returns:
+        ``logp_S`` float32 and ``entropy_S`` (or ``None``), identical on every TP rank.
+    """
+    if group is not None and torch.distributed.get_world_size(group) == 1:
+        group = None
+    return linear_logprobs(
+        hidden_SH,
+        weight_VH,
+        targets_S,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        group=group,
+    )

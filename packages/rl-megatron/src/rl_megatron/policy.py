@@ -62,12 +62,17 @@ from rl_megatron.convert import (
     split_megatron_args,
     transformer_config_from_hf,
 )
-from rl_megatron.logprobs import vocab_parallel_logprobs
+from rl_megatron.logprobs import (
+    chunked_vocab_parallel_logprobs,
+    emit_hidden_states,
+    vocab_parallel_logprobs,
+)
 from rl_megatron.parallel import ParallelLayout, init_parallel
 
 __all__ = ["MegatronPolicy"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
 class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMixin, Policy):
@@ -105,6 +110,22 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         """Seed of Megatron's model-parallel RNG tracker."""
         offload: OffloadConfig = field(default_factory=OffloadConfig)
         """What ``offload()`` moves off the device (weights, grad buffers, optimizer state)."""
+        logprob_chunk_tokens: NonNegInt = 1024
+        """The model returns final hidden states and log-probs/entropy come from this rank's
+        vocabulary slice of the LM head this many positions at a time
+        (:func:`rl_megatron.logprobs.chunked_vocab_parallel_logprobs`; logits recomputed in
+        backward), so no ``[T, V/tp]`` float32 logits are held for a whole micro-batch. 0: the
+        output layer's full vocabulary-parallel logits (more memory, same values)."""
+        recompute_granularity: Literal["none", "selective", "full"] = "none"
+        """Activation recomputation (megatron-core's ``recompute_granularity``): ``"selective"``
+        recomputes core attention, ``"full"`` whole layers (see ``recompute_method``); less
+        memory for more compute, gradients unchanged."""
+        recompute_method: Literal["uniform", "block"] = "uniform"
+        """With ``"full"``: ``"uniform"`` checkpoints groups of ``recompute_num_layers`` layers,
+        ``"block"`` the first ``recompute_num_layers`` layers of each pipeline stage."""
+        recompute_num_layers: PositiveInt = 1
+        """Layers per checkpointed group (``"uniform"``) or checkpointed layers per stage
+        (``"block"``), with ``recompute_granularity="full"``."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -131,6 +152,34 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
                     f"policy.megatron_args: expected a mapping of Megatron option names to values, "
                     f"got {type(self.megatron_args).__name__}."
                 )
+            if self.recompute_granularity not in ("none", "selective", "full"):
+                raise ConfigError(
+                    f"policy.recompute_granularity: {self.recompute_granularity!r} is not "
+                    "'none', 'selective' or 'full'."
+                )
+            if self.recompute_method not in ("uniform", "block"):
+                raise ConfigError(
+                    f"policy.recompute_method: {self.recompute_method!r} is not 'uniform' or "
+                    "'block'."
+                )
+            clash = sorted(set(self.megatron_args) & set(_RECOMPUTE_FIELDS))
+            if clash:
+                raise ConfigError(
+                    f"policy.megatron_args: {clash} are set by policy.recompute_granularity / "
+                    "recompute_method / recompute_num_layers; set them there instead."
+                )
+
+        def recompute_overrides(self) -> dict[str, Any]:
+            """The ``TransformerConfig`` fields of the recompute settings (none when off)."""
+            if self.recompute_granularity == "none":
+                return {}
+            if self.recompute_granularity == "selective":
+                return {"recompute_granularity": "selective"}
+            return {
+                "recompute_granularity": "full",
+                "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_num_layers,
+            }
 
     supports_offload: ClassVar[bool] = True
     """``offload``/``onload`` move this rank's weights, gradient buffers and optimizer state
@@ -172,7 +221,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             tp_size=config.tp_size,
             pp_size=config.pp_size,
             params_dtype=self._params_dtype,
-            overrides=split["transformer"],
+            overrides={**split["transformer"], **config.recompute_overrides()},
         )
         num_layers = int(self.tconfig.num_layers)
         if num_layers % config.pp_size:
@@ -189,6 +238,10 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         """The tokenizer saved with the model (``AutoTokenizer`` of ``model_path``)."""
         self.module = self._build_model(gpt_kwargs)
         """The unwrapped Megatron ``GPTModel`` of this rank."""
+        if config.logprob_chunk_tokens > 0 and self.module.post_process:
+            from megatron.core import parallel_state as ps
+
+            emit_hidden_states(self.module.output_layer, ps.get_tensor_model_parallel_group())
         layer_numbers = {
             i: int(layer.layer_number) - 1 for i, layer in enumerate(self.module.decoder.layers)
         }
@@ -425,6 +478,28 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
 
         tokens_T, scored_T = prep["tokens_T"], prep["scored_T"]
         zero_T = torch.zeros(tokens_T.shape[0], dtype=torch.float32, device=tokens_T.device)
+        if self.config.logprob_chunk_tokens > 0:  # the model returned hidden states [N, L, H]
+            module = self.module
+            weight_VH = (
+                module.shared_embedding_or_output_weight()
+                if module.share_embeddings_and_output_weights
+                else module.output_layer.weight
+            )
+            hidden_NLH = logits_NLV
+            logp_S, ent_S = chunked_vocab_parallel_logprobs(
+                hidden_NLH.reshape(-1, hidden_NLH.shape[-1]).index_select(0, prep["source_S"]),
+                weight_VH,
+                tokens_T[scored_T],
+                vocab_start=self.layout.tp_rank * weight_VH.shape[0],
+                vocab_size=self._vocab,
+                group=ps.get_tensor_model_parallel_group(),
+                chunk_tokens=self.config.logprob_chunk_tokens,
+                temperature=self.config.temperature,
+                with_entropy=with_entropy,
+            )
+            logp_T = zero_T.masked_scatter(scored_T, logp_S)
+            ent_T = zero_T.masked_scatter(scored_T, ent_S) if ent_S is not None else None
+            return logp_T, ent_T
         width = logits_NLV.shape[-1]
         logits_SV = logits_NLV.reshape(-1, width).index_select(0, prep["source_S"])
         logp_S, ent_S = vocab_parallel_logprobs(
