@@ -19,10 +19,13 @@ The list follows ``feasibility-cpu.md`` §1.2 (megatron-core 0.16.1):
 4. ``device="cuda"`` (or an int device) in any torch call becomes ``"cpu"``.
 5. ``Tensor.cuda()`` returns the tensor itself.
 6. ``Tensor.type()`` without arguments reports ``torch.cuda.FloatTensor`` etc. for CPU tensors.
+7. ``torch.cuda.Stream()`` is a stream that never waits and ``torch.cuda.stream(s)`` a null
+   context (the MoE all-to-all token dispatcher copies its split sizes on a side stream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -72,7 +75,18 @@ class _NullStream:
     def synchronize(self) -> None:
         """No-op."""
 
-    def record_event(self, *args: Any, **kwargs: Any) -> None:
+    def record_event(self, *args: Any, **kwargs: Any) -> _NullEvent:
+        """An event that is always complete."""
+        return _NullEvent()
+
+
+class _NullEvent:
+    """Stands in for a CUDA event: always complete."""
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
         """No-op."""
 
 
@@ -108,6 +122,8 @@ def enable_cpu_support() -> None:
         (torch.cuda, "synchronize"),
         (torch.cuda, "current_stream"),
         (torch.cuda, "default_stream"),
+        (torch.cuda, "Stream"),
+        (torch.cuda, "stream"),
         (torch.cuda, "get_rng_state"),
         (torch.cuda, "manual_seed"),
         (torch.Tensor, "cuda"),
@@ -119,6 +135,9 @@ def enable_cpu_support() -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.default_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    # 7. Side streams (MoE all-to-all dispatcher).
+    torch.cuda.Stream = lambda *a, **k: _NullStream()  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
 
     # 3. RNG: the "CUDA" generator state is the CPU one.
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]

@@ -40,11 +40,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
-from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, PositiveInt, Seed
+from rl_core.config import (
+    NonNegFloat,
+    NonNegInt,
+    OptimizerConfig,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+)
 from rl_core.errors import ConfigError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
@@ -52,6 +60,7 @@ from rl_megatron._policy_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMA
 from rl_megatron._policy_checkpoint import OPTIM_DIR as OPTIM_DIR  # re-export
 from rl_megatron._policy_checkpoint import STATE_FILE as STATE_FILE  # re-export
 from rl_megatron._policy_checkpoint import _CheckpointMixin
+from rl_megatron._policy_moe import _MoEMixin
 from rl_megatron._policy_pipeline import _PipelineMixin, _to_device
 from rl_megatron._policy_weights import _WeightsMixin
 from rl_megatron.convert import (
@@ -68,8 +77,9 @@ __all__ = ["MegatronPolicy"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
-    """A trainable Llama / Qwen2 / Qwen3 causal LM on megatron-core (see the module docstring)."""
+class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin, Policy):
+    """A trainable Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on megatron-core (see the module
+    docstring)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizerConfig):
@@ -87,6 +97,16 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         dp_size: NonNegInt = 0
         """Data-parallel size; 0 derives it as world size / (tp_size * pp_size), any other
         value must equal that."""
+        expert_model_parallel_size: Annotated[int, Range(ge=1)] = 1
+        """Expert-parallel size of a mixture-of-experts model: each group of this many ranks
+        splits the experts of every MoE layer evenly (must divide ``num_experts``); tokens
+        travel to their experts by all-to-all. 1 for a dense model."""
+        expert_tensor_parallel_size: Annotated[int, Range(ge=0)] = 0
+        """Tensor-parallel size inside each expert; 0 = ``tp_size`` (must divide
+        ``moe_intermediate_size``)."""
+        moe_aux_loss_coeff: NonNegFloat | None = None
+        """Load-balancing (auxiliary) loss coefficient of the MoE routers; ``None`` takes
+        ``router_aux_loss_coef`` from config.json, 0 turns the loss off."""
         use_distributed_optimizer: bool = False
         """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
         dtype: Literal["float32", "bfloat16"] = "float32"
@@ -113,6 +133,21 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
                 raise ConfigError(f"policy.tp_size: must be >= 1, got {self.tp_size}.")
             if self.pp_size < 1:
                 raise ConfigError(f"policy.pp_size: must be >= 1, got {self.pp_size}.")
+            if self.expert_model_parallel_size < 1:
+                raise ConfigError(
+                    "policy.expert_model_parallel_size: must be >= 1, got "
+                    f"{self.expert_model_parallel_size}."
+                )
+            if self.expert_tensor_parallel_size < 0:
+                raise ConfigError(
+                    "policy.expert_tensor_parallel_size: must be >= 0 (0 = tp_size), got "
+                    f"{self.expert_tensor_parallel_size}."
+                )
+            if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
+                raise ConfigError(
+                    f"policy.moe_aux_loss_coeff: must be >= 0 (or null for config.json's "
+                    f"router_aux_loss_coef), got {self.moe_aux_loss_coeff}."
+                )
             if self.dp_size < 0:
                 raise ConfigError(f"policy.dp_size: must be >= 0 (0 = derive), got {self.dp_size}.")
             if self.dtype not in ("float32", "bfloat16"):
@@ -130,6 +165,9 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
 
     supports_offload: ClassVar[bool] = False
     """``offload``/``onload`` are no-ops in this version."""
+    supports_routing_replay: ClassVar[bool] = True
+    """A mixture-of-experts model replays ``TrainBatch.routed_experts`` through megatron-core's
+    router replay and reports its own routing (a dense model refuses routing)."""
 
     def __init__(self, config: Config) -> None:
         """Initialise the process groups, build the model from ``config.model_path``, load its
@@ -155,7 +193,12 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
             )
         split = split_megatron_args(config.megatron_args)
         self.layout: ParallelLayout = init_parallel(
-            config.tp_size, config.pp_size, config.dp_size or None, config.seed
+            config.tp_size,
+            config.pp_size,
+            config.dp_size or None,
+            config.seed,
+            ep_size=config.expert_model_parallel_size,
+            etp_size=config.expert_tensor_parallel_size or None,
         )
         """This rank's place in the tensor/pipeline/data-parallel layout."""
         self.hf_config = AutoConfig.from_pretrained(str(path))
@@ -167,6 +210,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
             pp_size=config.pp_size,
             params_dtype=self._params_dtype,
             overrides=split["transformer"],
+            moe=self._moe_settings(),
         )
         num_layers = int(self.tconfig.num_layers)
         if num_layers % config.pp_size:
@@ -192,6 +236,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
             pre_process=self.module.pre_process,
             post_process=self.module.post_process,
             padded_vocab=self._padded_vocab,
+            moe=self._moe_settings(),
         )
         """The HF <-> Megatron weight mapping of this rank's stage."""
         self._global_map = HFWeightMap(
@@ -201,6 +246,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
             post_process=True,
             padded_vocab=self._padded_vocab,
         )
+        self._init_routing()
         self._params = dict(self.module.named_parameters())
         self._check_param_coverage()
         self._mark_tensor_parallel_params()
@@ -231,11 +277,22 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
     def _build_model(self, gpt_kwargs: dict[str, Any]) -> Any:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        spec = get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=bool(self.tconfig.qk_layernorm)
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_layer_local_spec,
         )
+
+        if self.tconfig.num_moe_experts:
+            from rl_megatron._moe import patch_missing_te_gemm
+
+            patch_missing_te_gemm()
+            spec = get_gpt_decoder_block_spec(
+                self.tconfig, use_transformer_engine=False, normalization="RMSNorm"
+            )
+        else:
+            spec = get_gpt_layer_local_spec(
+                normalization="RMSNorm", qk_layernorm=bool(self.tconfig.qk_layernorm)
+            )
         with torch.random.fork_rng(devices=[]):
             model = GPTModel(
                 config=self.tconfig,
@@ -353,9 +410,18 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
 
     @property
     def model_shape(self) -> ModelShape:
-        """Architecture numbers read from the Hugging Face config (true, unpadded vocabulary)."""
+        """Architecture numbers read from the Hugging Face config (true, unpadded vocabulary;
+        experts, top-k and expert width of a mixture-of-experts model)."""
         cfg = self.hf_config.get_text_config()
         heads = int(cfg.num_attention_heads)
+        moe: dict[str, Any] = {}
+        if self.is_moe:
+            moe = {
+                "num_experts": int(cfg.num_experts),
+                "moe_top_k": int(cfg.num_experts_per_tok),
+                "num_shared_experts": 0,
+                "moe_ffn_hidden_size": int(cfg.moe_intermediate_size),
+            }
         return ModelShape(
             num_layers=int(cfg.num_hidden_layers),
             hidden_size=int(cfg.hidden_size),
@@ -365,6 +431,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
             ffn_hidden_size=int(cfg.intermediate_size),
             vocab_size=self._vocab,
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            **moe,
         )
 
     # ------------------------------------------------------------------ forward
@@ -377,16 +444,23 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         )
 
     def _forward(
-        self, batch: TrainBatch, *, with_entropy: bool
+        self, batch: TrainBatch, *, with_entropy: bool, routing: list[torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Padded forward of one micro-batch: ``logp_T`` (and ``entropy_T``) on the model device."""
+        """Padded forward of one micro-batch: ``logp_T`` (and ``entropy_T``) on the model device.
+
+        A MoE model replays ``batch.routed_experts`` when given and appends its routers' own
+        choice ``[T, L_stage, K]`` to ``routing``."""
         prep = self._prepare(batch)
         if prep is None:
             zero_T = torch.zeros(0, dtype=torch.float32, device=self._device())
             return zero_T, (zero_T if with_entropy else None)
+        self._routing_begin(batch, prep)
         logits_NLV = self.model(
             prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
         )
+        own_TLK = self._routing_end(prep)
+        if routing is not None and own_TLK is not None:
+            routing.append(own_TLK)
         return self._logits_to_logp(logits_NLV, prep, with_entropy=with_entropy)
 
     def _prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
@@ -398,6 +472,8 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         cu_N1 = batch.cu_seqlens.to(device)
         lengths_N = cu_N1[1:] - cu_N1[:-1]
         n, max_len = int(lengths_N.shape[0]), int(lengths_N.max())
+        if self.tconfig.sequence_parallel:  # the sequence axis is split over the TP ranks
+            max_len = -(-max_len // self.layout.tp_size) * self.layout.tp_size
         seq_T = batch.seq_index().to(device)
         pos_T = batch.position_ids().to(device)
         flat_T = seq_T * max_len + pos_T
@@ -410,6 +486,8 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
             "positions_NL": positions_NL,
             "scored_T": scored_T,
             "source_S": flat_T[scored_T] - 1,  # the position before each scored token
+            "seq_T": seq_T,
+            "pos_T": pos_T,
         }
 
     def _logits_to_logp(
@@ -438,26 +516,37 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens``, without gradients.
 
         One forward per micro-batch; float32 results on ``batch.tokens``' device, identical on
-        every rank of a tensor/pipeline-parallel group (collective over that group).
+        every rank of a tensor/pipeline-parallel group (collective over that group). A
+        mixture-of-experts model replays ``batch.routed_experts`` when given and always returns
+        its routers' own choice (``routed_experts`` ``[T, L, K]``, compact dtype).
+
+        Raises:
+            ConfigError: ``batch.routed_experts`` on a dense model, or of the wrong shape.
         """
+        self._check_routing(batch)
+        routing: list[torch.Tensor] = []
+        out = batch.tokens.device
         if self.layout.pp_size > 1:
             with torch.no_grad():
-                logp_T, ent_T = self._pipeline_logprobs(batch, with_entropy=with_entropy)
-            out = batch.tokens.device
+                logp_T, ent_T = self._pipeline_logprobs(
+                    batch, with_entropy=with_entropy, routing=routing
+                )
             return LogProbOutput(
-                logprobs=logp_T.to(out), entropy=ent_T.to(out) if ent_T is not None else None
+                logprobs=logp_T.to(out),
+                entropy=ent_T.to(out) if ent_T is not None else None,
+                routed_experts=self._join_stage_routing(routing, batch.num_tokens),
             )
         logps, ents = [], []
         with torch.no_grad():
             for mb in batch.micro_batches():
-                logp_T, ent_T = self._forward(mb, with_entropy=with_entropy)
+                logp_T, ent_T = self._forward(mb, with_entropy=with_entropy, routing=routing)
                 logps.append(logp_T)
                 if ent_T is not None:
                     ents.append(ent_T)
-        out = batch.tokens.device
         return LogProbOutput(
             logprobs=torch.cat(logps).to(out),
             entropy=torch.cat(ents).to(out) if with_entropy else None,
+            routed_experts=self._join_stage_routing(routing, batch.num_tokens),
         )
 
     # ------------------------------------------------------------------ training
@@ -475,13 +564,20 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, Policy):
         *and* data-parallel ranks (the step values, the same on every rank); ``grad_norm`` is the
         global norm before clipping; ``lr`` the rate of this step; ``skipped_step`` 1.0 when the
         norm was not finite (weights and schedule unchanged, version still advances). With
-        pipeline parallelism ``loss_fn`` is called on the last stage only.
+        pipeline parallelism ``loss_fn`` is called on the last stage only. A mixture-of-experts
+        model replays ``batch.routed_experts`` when given and adds its load-balancing loss
+        (``moe_aux_loss_coeff`` times the mean over micro-batches) to the gradients.
+
+        Raises:
+            ConfigError: ``batch.routed_experts`` on a dense model, or of the wrong shape.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+        self._check_routing(batch)
         needs_entropy = bool(getattr(loss_fn, "requires_entropy", False))
+        self._set_aux_loss_scale(len(batch.micro_batches()))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         sums: dict[str, float] = {"loss": 0.0}
