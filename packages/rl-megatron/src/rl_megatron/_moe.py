@@ -162,6 +162,62 @@ def patch_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+class SequenceParallelTorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (torch ``RMSNorm``) that also runs under sequence
+    parallelism: the weight is marked ``sequence_parallel`` so that ``finalize_model_grads``
+    sums its gradient over the tensor-parallel ranks (each saw a slice of the sequence).
+    ``WrappedTorchNorm`` refuses sequence parallelism only because it does not set that mark."""
+
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ) -> Any:
+        if config.normalization != "RMSNorm":
+            raise ConfigError(
+                f"config.json: normalization {config.normalization!r}; only RMSNorm is supported."
+            )
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def use_sequence_parallel_norms(spec: Any) -> Any:
+    """A copy of ``spec`` (a megatron-core layer/block spec tree) with every
+    ``WrappedTorchNorm`` replaced by :class:`SequenceParallelTorchNorm`."""
+    import copy
+    import dataclasses as dc
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    seen: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, list | tuple):
+            for item in node:
+                walk(item)
+            return
+        if not (dc.is_dataclass(node) and not isinstance(node, type)):
+            return
+        for f in dc.fields(node):
+            value = getattr(node, f.name)
+            if value is WrappedTorchNorm:
+                setattr(node, f.name, SequenceParallelTorchNorm)
+            else:
+                walk(value)
+
+    spec = copy.deepcopy(spec)
+    walk(spec)
+    return spec
+
+
 def expert_entries(
     entry_type: Any, cfg: Any, *, local: int, glob: int, moe: MoESettings
 ) -> list[Any]:

@@ -7,6 +7,7 @@ Tensor-name legend: ``T`` packed tokens, ``L`` MoE layers, ``K`` experts per tok
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,18 +117,33 @@ class _MoEMixin(_PolicyState):
         experts = int(self.hf_config.get_text_config().num_experts)
         return mine_TLK.to(routing_dtype(experts))
 
-    def _set_aux_loss_scale(self, num_micro_batches: int) -> None:
-        """Scale the load-balancing loss gradient of every micro-batch to ``coeff * aux /
-        (micro-batches * data-parallel size)``: summed over a step's micro-batches and replicas
-        (gradients are summed), the coefficient times the mean auxiliary loss. The routers do
-        not multiply it by their token count (see :class:`~rl_megatron._moe.RoutingControl`),
-        so one scale holds for every micro-batch, also in the 1F1B schedule."""
+    @contextlib.contextmanager
+    def _aux_loss_scale(self, num_micro_batches: int) -> Iterator[None]:
+        """Within the block, the load-balancing loss gradient of every micro-batch is ``coeff *
+        aux / (micro-batches * data-parallel size)``: summed over a step's micro-batches and
+        replicas (gradients are summed), the coefficient times the mean auxiliary loss.
+
+        The routers do not multiply it by their token count (see
+        :class:`~rl_megatron._moe.RoutingControl`), so one scale holds for every micro-batch;
+        megatron-core's pipeline schedule resets the scale to 1 after each forward (its
+        per-token-loss convention), so ``set_loss_scale`` is pinned to this value meanwhile.
+        """
         if self._routing is None:
+            yield
             return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        scale = 1.0 / (max(1, num_micro_batches) * self.layout.dp_size)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=self._device()))
+        scale = torch.full(
+            (1,), 1.0 / (max(1, num_micro_batches) * self.layout.dp_size), device=self._device()
+        )
+        saved = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(lambda _scale: None)
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.set_loss_scale = saved
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
     # ------------------------------------------------------------------ weights
 

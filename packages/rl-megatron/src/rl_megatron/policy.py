@@ -283,11 +283,13 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin,
         )
 
         if self.tconfig.num_moe_experts:
-            from rl_megatron._moe import patch_missing_te_gemm
+            from rl_megatron._moe import patch_missing_te_gemm, use_sequence_parallel_norms
 
             patch_missing_te_gemm()
-            spec = get_gpt_decoder_block_spec(
-                self.tconfig, use_transformer_engine=False, normalization="RMSNorm"
+            spec = use_sequence_parallel_norms(
+                get_gpt_decoder_block_spec(
+                    self.tconfig, use_transformer_engine=False, normalization="RMSNorm"
+                )
             )
         else:
             spec = get_gpt_layer_local_spec(
@@ -338,11 +340,16 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin,
         if pad is None or not self.module.pre_process:
             return
 
+        tp_rank = self.layout.tp_rank
+
         def block_pad_gradient(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> Any:
             input_ids = args[0]
             is_pad = (input_ids == pad).unsqueeze(-1)
             if input_ids.shape[:2] != output.shape[:2]:  # [s, b, h] layout
                 is_pad = is_pad.transpose(0, 1)
+                rows = output.shape[0]
+                if is_pad.shape[0] != rows:  # sequence parallel: this TP rank's rows
+                    is_pad = is_pad[tp_rank * rows : (tp_rank + 1) * rows]
             return torch.where(is_pad, output.detach(), output)
 
         self.module.embedding.word_embeddings.register_forward_hook(block_pad_gradient)
@@ -577,7 +584,6 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin,
 
         self._check_routing(batch)
         needs_entropy = bool(getattr(loss_fn, "requires_entropy", False))
-        self._set_aux_loss_scale(len(batch.micro_batches()))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         sums: dict[str, float] = {"loss": 0.0}
@@ -587,15 +593,16 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin,
             for name, value in out_loss.metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
 
-        if self.layout.pp_size > 1:
-            self._pipeline_train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
-        else:
-            for mb in batch.micro_batches():
-                logp_T, ent_T = self._forward(mb, with_entropy=needs_entropy)
-                out_loss = loss_fn(logp_T, _to_device(mb, logp_T.device), ent_T)
-                if out_loss.loss.requires_grad:
-                    out_loss.loss.backward()
-                record(out_loss)
+        with self._aux_loss_scale(len(batch.micro_batches())):
+            if self.layout.pp_size > 1:
+                self._pipeline_train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
+            else:
+                for mb in batch.micro_batches():
+                    logp_T, ent_T = self._forward(mb, with_entropy=needs_entropy)
+                    out_loss = loss_fn(logp_T, _to_device(mb, logp_T.device), ent_T)
+                    if out_loss.loss.requires_grad:
+                        out_loss.loss.backward()
+                    record(out_loss)
         finalize_model_grads([self.model])
 
         lr = self._lr_now()
