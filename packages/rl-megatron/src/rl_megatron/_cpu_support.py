@@ -19,10 +19,20 @@ The list follows ``feasibility-cpu.md`` §1.2 (megatron-core 0.16.1):
 4. ``device="cuda"`` (or an int device) in any torch call becomes ``"cpu"``.
 5. ``Tensor.cuda()`` returns the tensor itself.
 6. ``Tensor.type()`` without arguments reports ``torch.cuda.FloatTensor`` etc. for CPU tensors.
+7. ``torch.cuda.Stream()`` is a stream that never waits and ``torch.cuda.stream(s)`` a null
+   context (the MoE all-to-all token dispatcher copies its split sizes on a side stream).
+8. The all-to-all dispatcher's device-to-host copy of its split sizes returns numpy arrays for
+   CPU tensors too (``all_to_all_single`` takes sequences of ints, not tensors; on a GPU they
+   become numpy arrays in that copy).
+9. Uneven all-gather / reduce-scatter along the first dimension (the expert tensor-parallel
+   steps of the all-to-all dispatcher): gloo refuses lists of tensors of different sizes, so
+   the gather pads every part to the largest and trims, and the reduce-scatter all-reduces the
+   whole tensor and keeps this rank's part.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -72,7 +82,18 @@ class _NullStream:
     def synchronize(self) -> None:
         """No-op."""
 
-    def record_event(self, *args: Any, **kwargs: Any) -> None:
+    def record_event(self, *args: Any, **kwargs: Any) -> _NullEvent:
+        """An event that is always complete."""
+        return _NullEvent()
+
+
+class _NullEvent:
+    """Stands in for a CUDA event: always complete."""
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
         """No-op."""
 
 
@@ -108,6 +129,8 @@ def enable_cpu_support() -> None:
         (torch.cuda, "synchronize"),
         (torch.cuda, "current_stream"),
         (torch.cuda, "default_stream"),
+        (torch.cuda, "Stream"),
+        (torch.cuda, "stream"),
         (torch.cuda, "get_rng_state"),
         (torch.cuda, "manual_seed"),
         (torch.Tensor, "cuda"),
@@ -119,6 +142,9 @@ def enable_cpu_support() -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.default_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    # 7. Side streams (MoE all-to-all dispatcher).
+    torch.cuda.Stream = lambda *a, **k: _NullStream()  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
 
     # 3. RNG: the "CUDA" generator state is the CPU one.
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
@@ -138,6 +164,53 @@ def enable_cpu_support() -> None:
     transformer_utils.get_default_causal_mask = get_default_causal_mask
     if hasattr(fused_softmax, "get_default_causal_mask"):
         fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+    # 8. Split sizes of the MoE all-to-all as numpy arrays, as after a device-to-host copy.
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original_move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(
+        tensor: Any, as_numpy: bool = False, record_stream: bool = False
+    ) -> Any:
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    # 9. Uneven first-dimension gather / reduce-scatter over gloo.
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    even_gather = mappings._gather_along_first_dim
+    even_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return even_gather(input_, group, output_split_sizes, *args, **kw)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros(longest, *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+    def reduce_scatter_along_first_dim(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return even_reduce_scatter(input_, group, input_split_sizes, *args, **kw)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
     # 5./6. Tensor.cuda() is the identity; Tensor.type() names CUDA types.
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]

@@ -41,6 +41,12 @@ class _PolicyState:
     _version: int
     _applied_steps: int
 
+    if TYPE_CHECKING:  # defined by the other mixins and the policy
+
+        def _routing_begin(self, mb: TrainBatch, prep: dict[str, torch.Tensor]) -> None: ...
+        def _routing_end(self, prep: dict[str, torch.Tensor]) -> torch.Tensor | None: ...
+        def _device(self) -> torch.device: ...
+
 
 class _PipelineMixin(_PolicyState):
     """Log-probs and training steps through the pipeline stages; the last stage broadcasts results."""
@@ -51,11 +57,13 @@ class _PipelineMixin(_PolicyState):
         loss_for: Any,
         *,
         forward_only: bool,
+        routing: list[torch.Tensor] | None = None,
     ) -> None:
         """Run Megatron's 1F1B schedule over the non-empty micro-batches.
 
         ``loss_for(index, prep, logits_NLV)`` runs on the last stage and returns the scalar to
-        back-propagate (ignored when ``forward_only``).
+        back-propagate (ignored when ``forward_only``). A MoE stage replays each micro-batch's
+        ``routed_experts`` and appends its routers' own choice to ``routing`` (if given).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -67,9 +75,13 @@ class _PipelineMixin(_PolicyState):
 
         def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[Any, Any]:
             index, prep = next(data_iterator)
+            self._routing_begin(micro_batches[index], prep)
             output = model(
                 prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
             )
+            own_TLK = self._routing_end(prep)
+            if routing is not None and own_TLK is not None:
+                routing.append(own_TLK)
 
             def loss_func(logits_NLV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 loss = loss_for(index, prep, logits_NLV)
@@ -98,7 +110,11 @@ class _PipelineMixin(_PolicyState):
         return x_T
 
     def _pipeline_logprobs(
-        self, batch: TrainBatch, *, with_entropy: bool
+        self,
+        batch: TrainBatch,
+        *,
+        with_entropy: bool,
+        routing: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs through the pipeline; the last stage broadcasts them to every stage."""
         mbs = batch.micro_batches()
@@ -115,7 +131,7 @@ class _PipelineMixin(_PolicyState):
                 ent_T[t0 : t0 + ent.shape[0]] = ent
             return logits.new_zeros(())
 
-        self._run_pipeline(mbs, loss_for, forward_only=True)
+        self._run_pipeline(mbs, loss_for, forward_only=True, routing=routing)
         logp_T = self._broadcast_from_last_stage(logp_T)
         if ent_T is not None:
             ent_T = self._broadcast_from_last_stage(ent_T)

@@ -16,14 +16,25 @@ from rl_megatron.convert import WeightEntry
 class _WeightsMixin(_PolicyState):
     """``named_weights`` / ``load_weights`` and loading a Hugging Face directory into the shards."""
 
+    def _shard_count(self, entry: WeightEntry) -> int:
+        """How many ranks split ``entry``: the (expert) tensor-parallel size, 1 if replicated."""
+        if self.weight_map.gather_dim(entry) is None:
+            return 1
+        return self.layout.etp_size if self.weight_map.is_expert(entry) else self.layout.tp_size
+
     def _gathered_shards(self, entry: WeightEntry) -> list[torch.Tensor]:
         from megatron.core import parallel_state as ps
 
         local = self._params[entry.mcore_name].detach()
-        if self.weight_map.gather_dim(entry) is None or self.layout.tp_size == 1:
+        count = self._shard_count(entry)
+        if count == 1:
             return [local]
-        group = ps.get_tensor_model_parallel_group()
-        shards = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
+        group = (
+            ps.get_expert_tensor_parallel_group()
+            if self.weight_map.is_expert(entry)
+            else ps.get_tensor_model_parallel_group()
+        )
+        shards = [torch.empty_like(local) for _ in range(count)]
         torch.distributed.all_gather(shards, local.contiguous(), group=group)
         return shards
 
@@ -36,6 +47,9 @@ class _WeightsMixin(_PolicyState):
         tensors are detached views of the live weights: copy them if you keep them across a
         ``train_step``.
         """
+        if self.layout.ep_size > 1:
+            yield from self._expert_parallel_named_weights()
+            return
         if self.layout.pp_size == 1:
             for entry in self.weight_map.entries:
                 for name, tensor in self.weight_map.to_hf(entry, self._gathered_shards(entry)):
@@ -99,15 +113,17 @@ class _WeightsMixin(_PolicyState):
 
     def _expected_hf_shapes(self, entry: WeightEntry) -> dict[str, tuple[int, ...]]:
         local = self._params[entry.mcore_name]
-        shards = [local.detach()] * (
-            1 if self.weight_map.gather_dim(entry) is None else self.layout.tp_size
-        )
+        shards = [local.detach()] * self._shard_count(entry)
         return {n: tuple(t.shape) for n, t in self.weight_map.to_hf(entry, shards)}
 
     def _copy_in(
         self, tensors: dict[str, torch.Tensor], *, error: type[RLError], source: str
     ) -> None:
         wm = self.weight_map
+        if wm.moe_layers and any(wm.moe_layers):
+            from rl_megatron._moe import unfuse_hf_experts
+
+            tensors = unfuse_hf_experts(tensors)
         if wm.tied and "lm_head.weight" in tensors:
             lm_head = tensors.pop("lm_head.weight")
             tensors.setdefault("model.embed_tokens.weight", lm_head)
@@ -149,8 +165,18 @@ class _WeightsMixin(_PolicyState):
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if name in wanted or (self.weight_map.tied and name == "lm_head.weight"):
+                    fused_experts = name.endswith((".mlp.experts.gate_up_proj", ".down_proj"))
+                    if (
+                        name in wanted
+                        or (self.weight_map.tied and name == "lm_head.weight")
+                        or (fused_experts and ".mlp.experts." in name)
+                    ):
                         tensors[name] = handle.get_tensor(name)
+        if any(self.weight_map.moe_layers):
+            from rl_megatron._moe import unfuse_hf_experts
+
+            unfused = unfuse_hf_experts(tensors)
+            tensors = {n: t for n, t in unfused.items() if n in wanted or n == "lm_head.weight"}
         if self.weight_map.tied and "model.embed_tokens.weight" in tensors:
             tensors.pop("lm_head.weight", None)
         missing = sorted(wanted - set(tensors))

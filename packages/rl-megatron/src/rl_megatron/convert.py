@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-core: model config and weights for Llama, Qwen2 and Qwen3.
+"""Hugging Face <-> Megatron-core: model config and weights for Llama, Qwen2, Qwen3 and
+Qwen3-MoE (the mixture-of-experts parts live in :mod:`rl_megatron._moe`).
 
 The Megatron model is built from the Hugging Face ``config.json`` alone: no architecture flag is
 restated by hand. Megatron-native options (fusions, recompute, dtypes, ...) pass through as a
@@ -18,6 +19,15 @@ Weights map name by name (local layer spec, ``get_gpt_layer_local_spec``)::
     model.norm.weight                            decoder.final_layernorm.weight
     lm_head.weight                               output_layer.weight (untied models)
 
+Mixture-of-experts layers (Qwen3-MoE) map their router and experts instead of the dense MLP::
+
+    model.layers.i.mlp.gate.weight                       decoder.layers.i.mlp.router.weight
+    model.layers.i.mlp.experts.e.{gate,up}_proj.weight   ...mlp.experts.local_experts.j.linear_fc1
+    model.layers.i.mlp.experts.e.down_proj.weight        ...mlp.experts.local_experts.j.linear_fc2
+
+where expert ``e`` is local expert ``j = e - ep_rank * E / ep_size`` of expert-parallel rank
+``ep_rank``, sharded like the dense fc1/fc2 over the *expert* tensor-parallel group.
+
 Layouts: ``linear_qkv`` interleaves q, k and v per query group (``[G, (q_per_group + 2) * D, H]``
 flattened); ``linear_fc1`` is ``[gate; up]``. Tensor parallelism splits qkv by group, fc1's gate
 and up halves separately, ``linear_proj``/``linear_fc2`` along their input dimension and the
@@ -36,6 +46,13 @@ from typing import Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
+from rl_megatron._moe import (
+    EXPERT_KINDS,
+    MoESettings,
+    expert_entries,
+    moe_layer_pattern,
+    moe_transformer_kwargs,
+)
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -48,7 +65,7 @@ __all__ = [
     "transformer_config_from_hf",
 ]
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 """Hugging Face ``model_type`` values this converter handles."""
 
 ARCHITECTURE_FIELDS: frozenset[str] = frozenset(
@@ -70,6 +87,18 @@ ARCHITECTURE_FIELDS: frozenset[str] = frozenset(
         "pipeline_model_parallel_size",
         "calculate_per_token_loss",
         "share_embeddings_and_output_weights",
+        "num_moe_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "moe_layer_freq",
+        "moe_router_pre_softmax",
+        "moe_router_score_function",
+        "moe_shared_expert_intermediate_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "moe_aux_loss_coeff",
+        "moe_enable_routing_replay",
+        "sequence_parallel",
     }
 )
 """Megatron settings derived from the Hugging Face config or the policy's parallel layout; a
@@ -185,7 +214,7 @@ def _check_supported(cfg: Any) -> str:
             "config.json attention_bias/mlp_bias: Llama with biases is not supported by the "
             "rl-megatron converter; use attention_bias=false and mlp_bias=false."
         )
-    if model_type == "qwen3" and getattr(cfg, "attention_bias", False):
+    if model_type in ("qwen3", "qwen3_moe") and getattr(cfg, "attention_bias", False):
         raise ConfigError(
             "config.json attention_bias: Qwen3 with attention biases is not supported."
         )
@@ -197,7 +226,7 @@ def _check_supported(cfg: Any) -> str:
 
 
 def _transformer_kwargs(
-    cfg: Any, *, tp_size: int, pp_size: int, params_dtype: torch.dtype
+    cfg: Any, *, tp_size: int, pp_size: int, params_dtype: torch.dtype, moe: MoESettings
 ) -> dict[str, Any]:
     """``TransformerConfig`` keyword arguments for HF text config ``cfg`` (before overrides)."""
     model_type = _check_supported(cfg)
@@ -223,7 +252,7 @@ def _transformer_kwargs(
         "activation_func": torch.nn.functional.silu,
         "add_bias_linear": False,
         "add_qkv_bias": model_type == "qwen2",
-        "qk_layernorm": model_type == "qwen3",
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
         "tensor_model_parallel_size": tp_size,
         "pipeline_model_parallel_size": pp_size,
         # Gradients are summed over data-parallel ranks (TrainBatch.loss_weights fold the mean).
@@ -244,6 +273,7 @@ def _transformer_kwargs(
         "bf16": bf16,
         "attention_softmax_in_fp32": True,
     }
+    kwargs.update(moe_transformer_kwargs(cfg, tp_size=tp_size, moe=moe))
     return kwargs
 
 
@@ -254,6 +284,7 @@ def transformer_config_from_hf(
     pp_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     overrides: Mapping[str, Any] | None = None,
+    moe: MoESettings | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Megatron ``TransformerConfig`` and ``GPTModel`` keyword arguments for a HF config.
 
@@ -264,6 +295,8 @@ def transformer_config_from_hf(
         params_dtype: parameter dtype (``torch.bfloat16`` also turns on Megatron's bf16 mode).
         overrides: ``TransformerConfig`` fields to set (the ``"transformer"`` part of
             :func:`split_megatron_args`); CPU-safe defaults (no fusions, no dropout) otherwise.
+        moe: expert-parallel layout and router settings of a mixture-of-experts model
+            (ignored for a dense one; ``MoESettings()`` if omitted).
 
     Returns:
         ``(transformer_config, gpt_model_kwargs)``; the kwargs hold ``vocab_size`` (unpadded),
@@ -276,7 +309,9 @@ def transformer_config_from_hf(
     from megatron.core.transformer import TransformerConfig
 
     cfg = _hf_text_config(hf_config)
-    kwargs = _transformer_kwargs(cfg, tp_size=tp_size, pp_size=pp_size, params_dtype=params_dtype)
+    kwargs = _transformer_kwargs(
+        cfg, tp_size=tp_size, pp_size=pp_size, params_dtype=params_dtype, moe=moe or MoESettings()
+    )
     for key, value in (overrides or {}).items():
         if key in ARCHITECTURE_FIELDS:
             raise ConfigError(f"policy.megatron_args.{key}: derived from config.json; remove it.")
@@ -290,8 +325,8 @@ def transformer_config_from_hf(
         ) from exc
     if pp_size > 1 and "variable_seq_lengths" not in (overrides or {}):
         # Micro-batches are padded to their own [N, L]: pipeline stages exchange shapes. Set
-        # after construction: the MoE dispatcher check of __post_init__ does not apply to a
-        # dense model.
+        # after construction: the MoE dispatcher check of __post_init__ concerns the allgather
+        # dispatcher only (MoE models use the all-to-all one, see rl_megatron._moe).
         tconfig.variable_seq_lengths = True
     gpt_kwargs = {
         "vocab_size": int(cfg.vocab_size),
@@ -317,7 +352,9 @@ class WeightEntry:
     hf_names: tuple[str, ...]
     """Hugging Face names, in the order the Megatron tensor concatenates them."""
     kind: str
-    """``replicated``, ``column`` (dim 0), ``row`` (dim 1), ``vocab``, ``qkv`` or ``fc1``."""
+    """``replicated``, ``column`` (dim 0), ``row`` (dim 1), ``vocab``, ``qkv``, ``fc1``,
+    ``router`` (replicated), ``expert_fc1`` / ``expert_row`` (like ``fc1`` / ``row`` over the
+    expert tensor-parallel group)."""
     exported: bool = True
     """False for the last pipeline stage's copy of a tied embedding: loaded, never exported."""
 
@@ -338,9 +375,16 @@ class HFWeightMap:
         pre_process: bool,
         post_process: bool,
         padded_vocab: int,
+        moe: MoESettings | None = None,
     ) -> None:
-        """``layers`` maps each local layer index of this stage to its global (HF) index."""
+        """``layers`` maps each local layer index of this stage to its global (HF) index;
+        ``moe`` gives the experts this rank holds (all of them when omitted)."""
         cfg = _hf_text_config(hf_config)
+        self._cfg = cfg
+        self.moe = moe or MoESettings()
+        """Expert-parallel rank/size and expert tensor-parallel rank/size of this map."""
+        self.moe_layers = moe_layer_pattern(cfg)
+        """Per global layer, whether it is a mixture-of-experts layer."""
         self.model_type = str(cfg.model_type)
         """HF ``model_type``."""
         self.vocab_size = int(cfg.vocab_size)
@@ -397,7 +441,7 @@ class HFWeightMap:
                 "row",
             )
         )
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             for p in "qk":
                 entries.append(
                     WeightEntry(
@@ -406,16 +450,19 @@ class HFWeightMap:
                         "replicated",
                     )
                 )
-        entries.append(
-            WeightEntry(
-                mc + "mlp.linear_fc1.weight",
-                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                "fc1",
+        if self.moe_layers[glob]:
+            entries += expert_entries(WeightEntry, self._cfg, local=local, glob=glob, moe=self.moe)
+        else:
+            entries.append(
+                WeightEntry(
+                    mc + "mlp.linear_fc1.weight",
+                    (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                    "fc1",
+                )
             )
-        )
-        entries.append(
-            WeightEntry(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row")
-        )
+            entries.append(
+                WeightEntry(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row")
+            )
         entries.append(
             WeightEntry(
                 mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"
@@ -464,9 +511,13 @@ class HFWeightMap:
     def to_megatron(
         self, entry: WeightEntry, tensors: list[torch.Tensor], tp_rank: int, tp_size: int
     ) -> torch.Tensor:
-        """This TP rank's shard of ``entry`` from its full HF tensors (in ``hf_names`` order)."""
+        """This TP rank's shard of ``entry`` from its full HF tensors (in ``hf_names`` order);
+        expert weights are cut by the map's expert tensor-parallel rank and size instead."""
         kind = entry.kind
-        if kind == "replicated":
+        if kind in EXPERT_KINDS:
+            kind = "fc1" if kind == "expert_fc1" else "row"
+            tp_rank, tp_size = self.moe.etp_rank, self.moe.etp_size or tp_size
+        if kind in ("replicated", "router"):
             return tensors[0]
         if kind == "vocab":
             full = tensors[0]
@@ -489,13 +540,21 @@ class HFWeightMap:
 
     def gather_dim(self, entry: WeightEntry) -> int | None:
         """Dimension along which TP shards of ``entry`` concatenate (``None``: replicated)."""
-        return {"replicated": None, "row": 1}.get(entry.kind, 0)
+        return {"replicated": None, "router": None, "row": 1, "expert_row": 1}.get(entry.kind, 0)
+
+    def is_expert(self, entry: WeightEntry) -> bool:
+        """True for an expert weight (sharded over the expert tensor-parallel group, held by
+        one expert-parallel rank)."""
+        return entry.kind in EXPERT_KINDS
 
     def to_hf(
         self, entry: WeightEntry, shards: list[torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF ``(name, tensor)`` pairs of ``entry`` from its TP shards (rank order)."""
-        kind = entry.kind
+        """HF ``(name, tensor)`` pairs of ``entry`` from its TP shards (rank order; expert
+        weights: expert tensor-parallel shards)."""
+        kind = {"expert_fc1": "fc1", "expert_row": "row", "router": "replicated"}.get(
+            entry.kind, entry.kind
+        )
         if kind == "replicated":
             yield entry.hf_names[0], shards[0]
             return

@@ -39,6 +39,14 @@ class ParallelLayout:
     """Rank inside the pipeline-parallel group."""
     dp_rank: int
     """Rank inside the data-parallel group (which shard of the data this rank trains on)."""
+    ep_size: int = 1
+    """Expert-parallel size (mixture-of-experts layers; 1 for a dense model)."""
+    ep_rank: int = 0
+    """Rank inside the expert-parallel group (which experts this rank holds)."""
+    etp_size: int = 1
+    """Expert tensor-parallel size (how each expert's weights are split)."""
+    etp_rank: int = 0
+    """Rank inside the expert tensor-parallel group."""
 
 
 def _ensure_process_group() -> None:
@@ -55,8 +63,20 @@ def _ensure_process_group() -> None:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_parallel(tp_size: int, pp_size: int, dp_size: int | None, seed: int) -> ParallelLayout:
+def init_parallel(
+    tp_size: int,
+    pp_size: int,
+    dp_size: int | None,
+    seed: int,
+    *,
+    ep_size: int = 1,
+    etp_size: int | None = None,
+) -> ParallelLayout:
     """Initialise torch.distributed (if needed) and Megatron's parallel state for this layout.
+
+    ``ep_size`` / ``etp_size`` (default: ``tp_size``) lay out the experts of a
+    mixture-of-experts model: ``etp_size * ep_size * pp_size`` must divide the world size (the
+    rest is expert data parallelism).
 
     An existing Megatron parallel state of the same sizes is reused; one of different sizes is
     destroyed and rebuilt (every rank must do the same).
@@ -85,16 +105,28 @@ def init_parallel(tp_size: int, pp_size: int, dp_size: int | None, seed: int) ->
             f"{tp_size} and pp_size={pp_size} gives {derived_dp}; set dp_size to {derived_dp} "
             "(or 0 to derive it) or launch a matching number of processes."
         )
+    etp = etp_size or tp_size
+    if ep_size < 1 or etp < 1 or world % (etp * ep_size * pp_size):
+        raise ConfigError(
+            f"policy.expert_model_parallel_size/expert_tensor_parallel_size: {ep_size} x {etp} "
+            f"x pp_size {pp_size} does not divide the world size {world}; pick sizes whose "
+            "product divides the number of processes."
+        )
     if ps.model_parallel_is_initialized():
         same = (
             ps.get_tensor_model_parallel_world_size() == tp_size
             and ps.get_pipeline_model_parallel_world_size() == pp_size
+            and ps.get_expert_model_parallel_world_size() == ep_size
+            and ps.get_expert_tensor_parallel_world_size() == etp
         )
         if not same:
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size
+            tensor_model_parallel_size=tp_size,
+            pipeline_model_parallel_size=pp_size,
+            expert_model_parallel_size=ep_size,
+            expert_tensor_parallel_size=etp,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelLayout(
@@ -105,4 +137,8 @@ def init_parallel(tp_size: int, pp_size: int, dp_size: int | None, seed: int) ->
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep_size=ep_size,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_size=etp,
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
     )

@@ -40,11 +40,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
-from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, PositiveInt, Seed
+from rl_core.config import (
+    NonNegFloat,
+    NonNegInt,
+    OptimizerConfig,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+)
 from rl_core.errors import ConfigError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.offload import OffloadConfig
@@ -53,6 +61,7 @@ from rl_megatron._policy_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMA
 from rl_megatron._policy_checkpoint import OPTIM_DIR as OPTIM_DIR  # re-export
 from rl_megatron._policy_checkpoint import STATE_FILE as STATE_FILE  # re-export
 from rl_megatron._policy_checkpoint import _CheckpointMixin
+from rl_megatron._policy_moe import _MoEMixin
 from rl_megatron._policy_offload import OffloadMixin
 from rl_megatron._policy_pipeline import _PipelineMixin, _to_device
 from rl_megatron._policy_weights import _WeightsMixin
@@ -75,8 +84,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
-class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMixin, Policy):
-    """A trainable Llama / Qwen2 / Qwen3 causal LM on megatron-core (see the module docstring)."""
+class MegatronPolicy(
+    _PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin, OffloadMixin, Policy
+):
+    """A trainable Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on megatron-core (see the module
+    docstring)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizerConfig):
@@ -94,6 +106,16 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         dp_size: NonNegInt = 0
         """Data-parallel size; 0 derives it as world size / (tp_size * pp_size), any other
         value must equal that."""
+        expert_model_parallel_size: Annotated[int, Range(ge=1)] = 1
+        """Expert-parallel size of a mixture-of-experts model: each group of this many ranks
+        splits the experts of every MoE layer evenly (must divide ``num_experts``); tokens
+        travel to their experts by all-to-all. 1 for a dense model."""
+        expert_tensor_parallel_size: Annotated[int, Range(ge=0)] = 0
+        """Tensor-parallel size inside each expert; 0 = ``tp_size`` (must divide
+        ``moe_intermediate_size``)."""
+        moe_aux_loss_coeff: NonNegFloat | None = None
+        """Load-balancing (auxiliary) loss coefficient of the MoE routers; ``None`` takes
+        ``router_aux_loss_coef`` from config.json, 0 turns the loss off."""
         use_distributed_optimizer: bool = False
         """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
         dtype: Literal["float32", "bfloat16"] = "float32"
@@ -138,6 +160,21 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
                 raise ConfigError(f"policy.tp_size: must be >= 1, got {self.tp_size}.")
             if self.pp_size < 1:
                 raise ConfigError(f"policy.pp_size: must be >= 1, got {self.pp_size}.")
+            if self.expert_model_parallel_size < 1:
+                raise ConfigError(
+                    "policy.expert_model_parallel_size: must be >= 1, got "
+                    f"{self.expert_model_parallel_size}."
+                )
+            if self.expert_tensor_parallel_size < 0:
+                raise ConfigError(
+                    "policy.expert_tensor_parallel_size: must be >= 0 (0 = tp_size), got "
+                    f"{self.expert_tensor_parallel_size}."
+                )
+            if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
+                raise ConfigError(
+                    f"policy.moe_aux_loss_coeff: must be >= 0 (or null for config.json's "
+                    f"router_aux_loss_coef), got {self.moe_aux_loss_coeff}."
+                )
             if self.dp_size < 0:
                 raise ConfigError(f"policy.dp_size: must be >= 0 (0 = derive), got {self.dp_size}.")
             if self.dtype not in ("float32", "bfloat16"):
@@ -185,6 +222,9 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
     """``offload``/``onload`` move this rank's weights, gradient buffers and optimizer state
     (fp32 master weights and Adam moments, sharded or not) to host memory and back bitwise
     (:mod:`rl_megatron._policy_offload`)."""
+    supports_routing_replay: ClassVar[bool] = True
+    """A mixture-of-experts model replays ``TrainBatch.routed_experts`` through megatron-core's
+    router replay and reports its own routing (a dense model refuses routing)."""
 
     def __init__(self, config: Config) -> None:
         """Initialise the process groups, build the model from ``config.model_path``, load its
@@ -210,7 +250,12 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             )
         split = split_megatron_args(config.megatron_args)
         self.layout: ParallelLayout = init_parallel(
-            config.tp_size, config.pp_size, config.dp_size or None, config.seed
+            config.tp_size,
+            config.pp_size,
+            config.dp_size or None,
+            config.seed,
+            ep_size=config.expert_model_parallel_size,
+            etp_size=config.expert_tensor_parallel_size or None,
         )
         """This rank's place in the tensor/pipeline/data-parallel layout."""
         self.hf_config = AutoConfig.from_pretrained(str(path))
@@ -222,6 +267,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             pp_size=config.pp_size,
             params_dtype=self._params_dtype,
             overrides={**split["transformer"], **config.recompute_overrides()},
+            moe=self._moe_settings(),
         )
         num_layers = int(self.tconfig.num_layers)
         if num_layers % config.pp_size:
@@ -251,6 +297,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             pre_process=self.module.pre_process,
             post_process=self.module.post_process,
             padded_vocab=self._padded_vocab,
+            moe=self._moe_settings(),
         )
         """The HF <-> Megatron weight mapping of this rank's stage."""
         self._global_map = HFWeightMap(
@@ -260,6 +307,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             post_process=True,
             padded_vocab=self._padded_vocab,
         )
+        self._init_routing()
         self._params = dict(self.module.named_parameters())
         self._check_param_coverage()
         self._mark_tensor_parallel_params()
@@ -290,11 +338,24 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
     def _build_model(self, gpt_kwargs: dict[str, Any]) -> Any:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        spec = get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=bool(self.tconfig.qk_layernorm)
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_layer_local_spec,
         )
+
+        if self.tconfig.num_moe_experts:
+            from rl_megatron._moe import patch_missing_te_gemm, use_sequence_parallel_norms
+
+            patch_missing_te_gemm()
+            spec = use_sequence_parallel_norms(
+                get_gpt_decoder_block_spec(
+                    self.tconfig, use_transformer_engine=False, normalization="RMSNorm"
+                )
+            )
+        else:
+            spec = get_gpt_layer_local_spec(
+                normalization="RMSNorm", qk_layernorm=bool(self.tconfig.qk_layernorm)
+            )
         with torch.random.fork_rng(devices=[]):
             model = GPTModel(
                 config=self.tconfig,
@@ -340,11 +401,16 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         if pad is None or not self.module.pre_process:
             return
 
+        tp_rank = self.layout.tp_rank
+
         def block_pad_gradient(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> Any:
             input_ids = args[0]
             is_pad = (input_ids == pad).unsqueeze(-1)
             if input_ids.shape[:2] != output.shape[:2]:  # [s, b, h] layout
                 is_pad = is_pad.transpose(0, 1)
+                rows = output.shape[0]
+                if is_pad.shape[0] != rows:  # sequence parallel: this TP rank's rows
+                    is_pad = is_pad[tp_rank * rows : (tp_rank + 1) * rows]
             return torch.where(is_pad, output.detach(), output)
 
         self.module.embedding.word_embeddings.register_forward_hook(block_pad_gradient)
@@ -412,9 +478,18 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
 
     @property
     def model_shape(self) -> ModelShape:
-        """Architecture numbers read from the Hugging Face config (true, unpadded vocabulary)."""
+        """Architecture numbers read from the Hugging Face config (true, unpadded vocabulary;
+        experts, top-k and expert width of a mixture-of-experts model)."""
         cfg = self.hf_config.get_text_config()
         heads = int(cfg.num_attention_heads)
+        moe: dict[str, Any] = {}
+        if self.is_moe:
+            moe = {
+                "num_experts": int(cfg.num_experts),
+                "moe_top_k": int(cfg.num_experts_per_tok),
+                "num_shared_experts": 0,
+                "moe_ffn_hidden_size": int(cfg.moe_intermediate_size),
+            }
         return ModelShape(
             num_layers=int(cfg.num_hidden_layers),
             hidden_size=int(cfg.hidden_size),
@@ -424,6 +499,7 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             ffn_hidden_size=int(cfg.intermediate_size),
             vocab_size=self._vocab,
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            **moe,
         )
 
     # ------------------------------------------------------------------ forward
@@ -436,16 +512,23 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         )
 
     def _forward(
-        self, batch: TrainBatch, *, with_entropy: bool
+        self, batch: TrainBatch, *, with_entropy: bool, routing: list[torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Padded forward of one micro-batch: ``logp_T`` (and ``entropy_T``) on the model device."""
+        """Padded forward of one micro-batch: ``logp_T`` (and ``entropy_T``) on the model device.
+
+        A MoE model replays ``batch.routed_experts`` when given and appends its routers' own
+        choice ``[T, L_stage, K]`` to ``routing``."""
         prep = self._prepare(batch)
         if prep is None:
             zero_T = torch.zeros(0, dtype=torch.float32, device=self._device())
             return zero_T, (zero_T if with_entropy else None)
+        self._routing_begin(batch, prep)
         logits_NLV = self.model(
             prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
         )
+        own_TLK = self._routing_end(prep)
+        if routing is not None and own_TLK is not None:
+            routing.append(own_TLK)
         return self._logits_to_logp(logits_NLV, prep, with_entropy=with_entropy)
 
     def _prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
@@ -457,6 +540,8 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         cu_N1 = batch.cu_seqlens.to(device)
         lengths_N = cu_N1[1:] - cu_N1[:-1]
         n, max_len = int(lengths_N.shape[0]), int(lengths_N.max())
+        if self.tconfig.sequence_parallel:  # the sequence axis is split over the TP ranks
+            max_len = -(-max_len // self.layout.tp_size) * self.layout.tp_size
         seq_T = batch.seq_index().to(device)
         pos_T = batch.position_ids().to(device)
         flat_T = seq_T * max_len + pos_T
@@ -469,6 +554,8 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             "positions_NL": positions_NL,
             "scored_T": scored_T,
             "source_S": flat_T[scored_T] - 1,  # the position before each scored token
+            "seq_T": seq_T,
+            "pos_T": pos_T,
         }
 
     def _logits_to_logp(
@@ -519,26 +606,37 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         """Log-probs ``[T]`` (and entropy ``[T]``) of ``batch.tokens``, without gradients.
 
         One forward per micro-batch; float32 results on ``batch.tokens``' device, identical on
-        every rank of a tensor/pipeline-parallel group (collective over that group).
+        every rank of a tensor/pipeline-parallel group (collective over that group). A
+        mixture-of-experts model replays ``batch.routed_experts`` when given and always returns
+        its routers' own choice (``routed_experts`` ``[T, L, K]``, compact dtype).
+
+        Raises:
+            ConfigError: ``batch.routed_experts`` on a dense model, or of the wrong shape.
         """
+        self._check_routing(batch)
+        routing: list[torch.Tensor] = []
+        out = batch.tokens.device
         if self.layout.pp_size > 1:
             with torch.no_grad():
-                logp_T, ent_T = self._pipeline_logprobs(batch, with_entropy=with_entropy)
-            out = batch.tokens.device
+                logp_T, ent_T = self._pipeline_logprobs(
+                    batch, with_entropy=with_entropy, routing=routing
+                )
             return LogProbOutput(
-                logprobs=logp_T.to(out), entropy=ent_T.to(out) if ent_T is not None else None
+                logprobs=logp_T.to(out),
+                entropy=ent_T.to(out) if ent_T is not None else None,
+                routed_experts=self._join_stage_routing(routing, batch.num_tokens),
             )
         logps, ents = [], []
         with torch.no_grad():
             for mb in batch.micro_batches():
-                logp_T, ent_T = self._forward(mb, with_entropy=with_entropy)
+                logp_T, ent_T = self._forward(mb, with_entropy=with_entropy, routing=routing)
                 logps.append(logp_T)
                 if ent_T is not None:
                     ents.append(ent_T)
-        out = batch.tokens.device
         return LogProbOutput(
             logprobs=torch.cat(logps).to(out),
             entropy=torch.cat(ents).to(out) if with_entropy else None,
+            routed_experts=self._join_stage_routing(routing, batch.num_tokens),
         )
 
     # ------------------------------------------------------------------ training
@@ -556,12 +654,18 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
         *and* data-parallel ranks (the step values, the same on every rank); ``grad_norm`` is the
         global norm before clipping; ``lr`` the rate of this step; ``skipped_step`` 1.0 when the
         norm was not finite (weights and schedule unchanged, version still advances). With
-        pipeline parallelism ``loss_fn`` is called on the last stage only.
+        pipeline parallelism ``loss_fn`` is called on the last stage only. A mixture-of-experts
+        model replays ``batch.routed_experts`` when given and adds its load-balancing loss
+        (``moe_aux_loss_coeff`` times the mean over micro-batches) to the gradients.
+
+        Raises:
+            ConfigError: ``batch.routed_experts`` on a dense model, or of the wrong shape.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+        self._check_routing(batch)
         needs_entropy = bool(getattr(loss_fn, "requires_entropy", False))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -572,15 +676,16 @@ class MegatronPolicy(_PipelineMixin, _WeightsMixin, _CheckpointMixin, OffloadMix
             for name, value in out_loss.metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
 
-        if self.layout.pp_size > 1:
-            self._pipeline_train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
-        else:
-            for mb in batch.micro_batches():
-                logp_T, ent_T = self._forward(mb, with_entropy=needs_entropy)
-                out_loss = loss_fn(logp_T, _to_device(mb, logp_T.device), ent_T)
-                if out_loss.loss.requires_grad:
-                    out_loss.loss.backward()
-                record(out_loss)
+        with self._aux_loss_scale(len(batch.micro_batches())):
+            if self.layout.pp_size > 1:
+                self._pipeline_train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
+            else:
+                for mb in batch.micro_batches():
+                    logp_T, ent_T = self._forward(mb, with_entropy=needs_entropy)
+                    out_loss = loss_fn(logp_T, _to_device(mb, logp_T.device), ent_T)
+                    if out_loss.loss.requires_grad:
+                        out_loss.loss.backward()
+                    record(out_loss)
         finalize_model_grads([self.model])
 
         lr = self._lr_now()

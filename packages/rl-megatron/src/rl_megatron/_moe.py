@@ -1,0 +1,408 @@
+"""Mixture-of-experts parts of :class:`~rl_megatron.policy.MegatronPolicy` (Qwen3-MoE).
+
+Three things live here:
+
+* :func:`moe_transformer_kwargs` and :func:`moe_layer_pattern`: the megatron-core MoE settings
+  of a Hugging Face ``qwen3_moe`` config (routed experts as ``SequentialMLP``, a top-k softmax
+  router whose top-k probabilities are renormalised exactly when ``norm_topk_prob`` is set, the
+  all-to-all token dispatcher, the load-balancing loss coefficient, ``mlp_only_layers`` /
+  ``decoder_sparse_step`` as ``moe_layer_freq``);
+* :func:`expert_entries`: the weight-map entries of one MoE layer (router and this rank's
+  experts; see :mod:`rl_megatron.convert`);
+* :class:`RoutingControl`: routing replay and the router's own choice. Every MoE router gets a
+  :class:`_ReplayingRecorder` as its megatron-core ``router_replay`` hook
+  (``TransformerConfig.moe_enable_routing_replay``): it always records the top-k the router
+  itself computes, and when a target is set it returns that target instead (the probabilities
+  are the router's scores gathered at the target experts, then normalised as the router does).
+
+Routing tensors follow :mod:`rl_core.routing`: ``[T, L, K]`` over the packed tokens of a batch
+and the ``L`` MoE layers of the model. The model runs padded ``[N, S]`` rows and megatron-core's
+router sees tokens in ``[S, N]`` order (sequence-major), split along ``S`` over the tensor-parallel
+ranks under sequence parallelism; :class:`RoutingControl` converts between the two.
+
+megatron-core 0.16.1 notes (CPU, no TransformerEngine): the router's gating linear reads a
+``te_general_gemm`` name that is only defined when TransformerEngine imports
+(:func:`patch_missing_te_gemm` defines it as ``None``, the torch path); the all-to-all dispatcher
+creates a CUDA side stream (redirected by :mod:`rl_megatron._cpu_support`); gloo implements
+``all_to_all_single`` with uneven splits, so the all-to-all dispatcher runs on CPU as it does
+on GPU. MoE with tensor parallelism trains only with sequence parallelism in megatron-core, so
+it is switched on whenever ``tp_size > 1``.
+
+Tensor-name legend: ``T`` packed tokens, ``N`` sequences, ``S`` padded sequence length, ``L``
+MoE layers, ``K`` experts per token, ``E`` experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_core.errors import ConfigError
+
+__all__ = [
+    "MoESettings",
+    "RoutingControl",
+    "expert_entries",
+    "is_moe_config",
+    "moe_layer_pattern",
+    "moe_transformer_kwargs",
+    "patch_missing_te_gemm",
+]
+
+EXPERT_KINDS = frozenset({"expert_fc1", "expert_row"})
+"""Weight-map kinds sharded over the expert tensor-parallel group (not the attention one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoESettings:
+    """Expert-parallel layout and router options of a mixture-of-experts policy."""
+
+    ep_size: int = 1
+    """Expert-parallel size (experts are split evenly over it)."""
+    etp_size: int | None = None
+    """Expert tensor-parallel size; ``None`` = the tensor-parallel size."""
+    ep_rank: int = 0
+    """This rank's place in the expert-parallel group."""
+    etp_rank: int = 0
+    """This rank's place in the expert tensor-parallel group."""
+    aux_loss_coeff: float | None = None
+    """Load-balancing loss coefficient; ``None`` = ``router_aux_loss_coef`` of config.json."""
+
+
+def is_moe_config(cfg: Any) -> bool:
+    """True for a Hugging Face text config with routed experts (``qwen3_moe``)."""
+    return (
+        str(getattr(cfg, "model_type", "")) == "qwen3_moe"
+        and int(getattr(cfg, "num_experts", 0) or 0) > 0
+    )
+
+
+def moe_layer_pattern(cfg: Any) -> list[bool]:
+    """Per decoder layer, whether it is a MoE layer (Qwen3-MoE's rule: not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    n = int(cfg.num_hidden_layers)
+    if not is_moe_config(cfg):
+        return [False] * n
+    only_dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return [i not in only_dense and (i + 1) % step == 0 for i in range(n)]
+
+
+def moe_transformer_kwargs(cfg: Any, *, tp_size: int, moe: MoESettings) -> dict[str, Any]:
+    """megatron-core ``TransformerConfig`` MoE fields for HF config ``cfg`` (``{}`` if dense).
+
+    Raises:
+        ConfigError: expert parallelism on a dense model, or sizes that do not divide the
+            experts / the expert FFN, naming the field to change.
+    """
+    if not is_moe_config(cfg):
+        if moe.ep_size > 1:
+            raise ConfigError(
+                f"policy.expert_model_parallel_size: {moe.ep_size}, but config.json "
+                f"(model_type {getattr(cfg, 'model_type', None)!r}) has no experts; use 1."
+            )
+        return {}
+    experts = int(cfg.num_experts)
+    top_k = int(cfg.num_experts_per_tok)
+    ffn = int(cfg.moe_intermediate_size)
+    etp = moe.etp_size or tp_size
+    if experts % moe.ep_size:
+        raise ConfigError(
+            f"policy.expert_model_parallel_size: {moe.ep_size} does not divide the "
+            f"{experts} experts of config.json (num_experts); pick a divisor."
+        )
+    if ffn % etp:
+        raise ConfigError(
+            f"policy.expert_tensor_parallel_size: {etp} does not divide moe_intermediate_size "
+            f"{ffn} of config.json; pick a divisor."
+        )
+    if not 1 <= top_k <= experts:
+        raise ConfigError(
+            f"config.json num_experts_per_tok: {top_k} must be between 1 and num_experts "
+            f"({experts})."
+        )
+    coeff = moe.aux_loss_coeff
+    if coeff is None:
+        coeff = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+    pattern = moe_layer_pattern(cfg)
+    return {
+        "num_moe_experts": experts,
+        "moe_router_topk": top_k,
+        "moe_ffn_hidden_size": ffn,
+        "moe_layer_freq": [int(x) for x in pattern],
+        # HF: softmax over all experts, top-k, then renormalise iff norm_topk_prob. Megatron:
+        # without pre-softmax, softmax over the top-k logits = the renormalised probabilities;
+        # with pre-softmax, the top-k of the full softmax, not renormalised.
+        "moe_router_pre_softmax": not bool(getattr(cfg, "norm_topk_prob", True)),
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": coeff,
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "moe_enable_routing_replay": True,
+        "expert_model_parallel_size": moe.ep_size,
+        "expert_tensor_parallel_size": etp,
+        "sequence_parallel": tp_size > 1,
+    }
+
+
+def patch_missing_te_gemm() -> None:
+    """Define ``moe_utils.te_general_gemm = None`` when TransformerEngine is absent.
+
+    megatron-core 0.16.1 imports ``te_general_gemm`` only inside its TransformerEngine ``try``
+    block but reads it unconditionally in the router's gating linear (a ``NameError`` without
+    TE); ``None`` selects its torch path.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (torch ``RMSNorm``) that also runs under sequence
+    parallelism: the weight is marked ``sequence_parallel`` so that ``finalize_model_grads``
+    sums its gradient over the tensor-parallel ranks (each saw a slice of the sequence).
+    ``WrappedTorchNorm`` refuses sequence parallelism only because it does not set that mark."""
+
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ) -> Any:
+        if config.normalization != "RMSNorm":
+            raise ConfigError(
+                f"config.json: normalization {config.normalization!r}; only RMSNorm is supported."
+            )
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def use_sequence_parallel_norms(spec: Any) -> Any:
+    """A copy of ``spec`` (a megatron-core layer/block spec tree) with every
+    ``WrappedTorchNorm`` replaced by :class:`SequenceParallelTorchNorm`."""
+    import copy
+    import dataclasses as dc
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    seen: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, list | tuple):
+            for item in node:
+                walk(item)
+            return
+        if not (dc.is_dataclass(node) and not isinstance(node, type)):
+            return
+        for f in dc.fields(node):
+            value = getattr(node, f.name)
+            if value is WrappedTorchNorm:
+                setattr(node, f.name, SequenceParallelTorchNorm)
+            else:
+                walk(value)
+
+    spec = copy.deepcopy(spec)
+    walk(spec)
+    return spec
+
+
+def expert_entries(
+    entry_type: Any, cfg: Any, *, local: int, glob: int, moe: MoESettings
+) -> list[Any]:
+    """Weight-map entries (``entry_type`` = :class:`~rl_megatron.convert.WeightEntry`) of MoE
+    layer ``glob`` (local index ``local``): the router, then this expert-parallel rank's
+    experts in global order."""
+    hf = f"model.layers.{glob}.mlp."
+    mc = f"decoder.layers.{local}.mlp."
+    entries = [entry_type(mc + "router.weight", (hf + "gate.weight",), "router")]
+    per_rank = int(cfg.num_experts) // moe.ep_size
+    for j in range(per_rank):
+        e = moe.ep_rank * per_rank + j
+        local_mc = f"{mc}experts.local_experts.{j}."
+        entries.append(
+            entry_type(
+                local_mc + "linear_fc1.weight",
+                (f"{hf}experts.{e}.gate_proj.weight", f"{hf}experts.{e}.up_proj.weight"),
+                "expert_fc1",
+            )
+        )
+        entries.append(
+            entry_type(
+                local_mc + "linear_fc2.weight", (f"{hf}experts.{e}.down_proj.weight",), "expert_row"
+            )
+        )
+    return entries
+
+
+def unfuse_hf_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Split transformers' in-memory fused expert tensors (``mlp.experts.gate_up_proj``
+    ``[E, 2F, H]``, ``mlp.experts.down_proj`` ``[E, H, F]``) into the per-expert checkpoint
+    names this converter uses; other names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"] = gate
+                out[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing replay
+# ----------------------------------------------------------------------------------------------
+
+
+def _replaying_recorder_type() -> type:
+    """:class:`_ReplayingRecorder`, built on megatron-core's ``RouterReplay`` at first use (so
+    this module imports without megatron-core)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    class _ReplayingRecorder(RouterReplay):
+        """Records the router's own top-k every forward; returns :attr:`target` instead when
+        set. Not registered in ``RouterReplay.global_router_replay_instances`` (a process-wide
+        list that would outlive the policy); :class:`RoutingControl` drives each one."""
+
+        def __init__(self) -> None:
+            self.target_topk_idx = None
+            self.recorded_topk_idx = None
+            self.router_replay_action = None
+            self.replay_backward_list = []
+
+        def get_replay_topk(
+            self,
+            scores: torch.Tensor,
+            topk: int,
+            num_groups: int | None = None,
+            group_topk: int | None = None,
+            default_compute_topk: Any = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            probs, top_idx = default_compute_topk(
+                scores, topk, num_groups=num_groups, group_topk=group_topk
+            )
+            self.recorded_topk_idx = top_idx.detach()
+            if self.target_topk_idx is None:
+                return probs, top_idx
+            target = self.target_topk_idx.to(scores.device)
+            return scores.gather(1, target), target
+
+    return _ReplayingRecorder
+
+
+class RoutingControl:
+    """Routing replay and recording for the MoE layers of one pipeline stage of a GPTModel."""
+
+    def __init__(self, module: Any, *, moe_layers_before: int, num_moe_layers: int) -> None:
+        """Install a recorder on every MoE router of ``module``; ``moe_layers_before`` = MoE
+        layers on earlier pipeline stages, ``num_moe_layers`` = MoE layers of the whole model."""
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        recorder_type = _replaying_recorder_type()
+        self.recorders: list[Any] = []
+        """One per MoE layer of this stage, in layer order."""
+        self.top_k = 0
+        """Experts per token."""
+        for layer in module.decoder.layers:
+            if isinstance(layer.mlp, MoELayer):
+                router = layer.mlp.router
+                previous = router.router_replay
+                if previous is not None:  # drop megatron's process-wide registration
+                    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+                    instances = RouterReplay.global_router_replay_instances
+                    if previous in instances:
+                        instances.remove(previous)
+                router.router_replay = recorder_type()
+                # The policy sets one gradient scale per step for the load-balancing loss
+                # (MegatronPolicy._set_aux_loss_scale); not multiplied by the token count.
+                router.calculate_per_token_loss = False
+                self.recorders.append(router.router_replay)
+                self.top_k = int(router.topk)
+        self.first = moe_layers_before
+        """Global index of this stage's first MoE layer."""
+        self.num_layers = num_moe_layers
+        """MoE layers of the whole model (the ``L`` of routing tensors)."""
+
+    # The model's token order: flat index pos * N + seq of the [S, N] layout, cut along S into
+    # tp_size equal parts under sequence parallelism.
+
+    def set_targets(self, routing_TLK: torch.Tensor | None, prep: dict[str, torch.Tensor]) -> None:
+        """Replay ``routing_TLK`` (``[T, L, K]`` for the whole model) in the next forward, or
+        route freely when ``None``; clears what was recorded."""
+        for rec in self.recorders:
+            rec.recorded_topk_idx = None
+            rec.target_topk_idx = None
+        if routing_TLK is None or not self.recorders:
+            return
+        n, s = prep["tokens_NL"].shape
+        seq_T, pos_T = prep["seq_T"], prep["pos_T"]
+        k = self.top_k
+        rows = _tp_rows(s)
+        for i, rec in enumerate(self.recorders):
+            full_SNK = torch.arange(k, device=seq_T.device).expand(s, n, k).clone()
+            full_SNK[pos_T, seq_T] = routing_TLK[:, self.first + i, :].to(
+                device=seq_T.device, dtype=torch.long
+            )
+            rec.target_topk_idx = full_SNK[rows].reshape(-1, k)
+
+    def recorded(self, prep: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[T, L_stage, K]``: what this stage's routers chose in the last forward (gathered
+        over tensor-parallel ranks under sequence parallelism)."""
+        n, s = prep["tokens_NL"].shape
+        seq_T, pos_T = prep["seq_T"], prep["pos_T"]
+        out = []
+        for rec in self.recorders:
+            local_K = rec.recorded_topk_idx
+            full_SNK = _gather_tp_rows(local_K.reshape(-1, n, local_K.shape[-1]), s)
+            out.append(full_SNK[pos_T, seq_T])
+        if not out:
+            return torch.zeros(seq_T.shape[0], 0, self.top_k, dtype=torch.long)
+        return torch.stack(out, dim=1)
+
+
+def _sequence_parallel() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _tp_rows(s: int) -> slice:
+    """This TP rank's rows of a length-``s`` sequence axis (all rows without TP)."""
+    rank, size = _sequence_parallel()
+    if size == 1:
+        return slice(0, s)
+    part = s // size
+    return slice(rank * part, (rank + 1) * part)
+
+
+def _gather_tp_rows(local_SNK: torch.Tensor, s: int) -> torch.Tensor:
+    """``[s, N, K]`` from each TP rank's ``[s / tp, N, K]`` rows (identity without TP)."""
+    from megatron.core import parallel_state as ps
+
+    _, size = _sequence_parallel()
+    if size == 1:
+        return local_SNK
+    parts = [torch.empty_like(local_SNK) for _ in range(size)]
+    torch.distributed.all_gather(
+        parts, local_SNK.contiguous(), group=ps.get_tensor_model_parallel_group()
+    )
+    return torch.cat(parts, dim=0)
