@@ -25,6 +25,7 @@ gathered at the forced indices, renormalised when the model renormalises
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,3 +180,45 @@ def _topk_weights(router: torch.nn.Module, logits_NE: torch.Tensor, index_NK: to
     if getattr(router, "norm_topk_prob", False):
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
     return w_NK.to(logits_NE.dtype)
+
+
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_expert_tensors(
+    named_tensors: list[tuple[str, torch.Tensor]], state: dict[str, torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint names (``...experts.{e}.{gate,up,down}_proj.weight``, as
+    ``save_pretrained`` and MegatronPolicy write them) turned into transformers 5's fused
+    in-memory tensors (``...experts.gate_up_proj [E, 2I, H]``, ``...experts.down_proj [E, H, I]``)
+    of the served model ``state``; other names pass through. Experts a partial update leaves out
+    keep their current weights."""
+    out: list[tuple[str, torch.Tensor]] = []
+    fused: dict[str, torch.Tensor] = {}
+    for name, t in named_tensors:
+        m = _PER_EXPERT.match(name)
+        if m is None or f"{m['prefix']}.down_proj" not in state:
+            out.append((name, t))
+            continue
+        e, proj = int(m["e"]), m["proj"]
+        key = f"{m['prefix']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        dst = state.get(key)
+        if dst is None or e >= dst.shape[0]:
+            out.append((name, t))  # left for the caller's name check to report
+            continue
+        buf = fused.get(key)
+        if buf is None:
+            buf = fused[key] = dst.detach().clone()
+        if proj == "down_proj":
+            rows = slice(None)
+        else:
+            half = buf.shape[1] // 2
+            rows = slice(0, half) if proj == "gate_proj" else slice(half, None)
+        if tuple(buf[e, rows].shape) != tuple(t.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)}, the served expert has {tuple(buf[e, rows].shape)}."
+            )
+        buf[e, rows] = t.to(buf.dtype)
+    return out + list(fused.items())

@@ -300,9 +300,18 @@ class HFGenerator(Generator):
         """Copy Hugging Face-named tensors into the model in place and set ``version``.
 
         Names are the model's ``state_dict`` names; a tied ``lm_head.weight`` may be sent or
-        omitted. All names and shapes are checked before any weight changes.
+        omitted; a mixture-of-experts model also takes per-expert checkpoint names
+        (``...experts.{e}.gate_proj.weight``, as MegatronPolicy sends them), fused into its
+        expert tensors. All names and shapes are checked before any weight changes.
         """
-        tensors = list(named_tensors)
+        from rl_hf._moe import fuse_expert_tensors
+
+        try:
+            tensors = fuse_expert_tensors(list(named_tensors), self._state)
+        except ValueError as e:
+            raise WeightSyncError(
+                f"HFGenerator.load_weights: {e} The update is for a different architecture."
+            ) from e
         for name, t in tensors:
             dst = self._state.get(name)
             if dst is None:

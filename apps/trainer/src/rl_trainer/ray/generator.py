@@ -44,12 +44,19 @@ class GeneratorEngine:
         self.generator: Any = None
         self.receiver: WeightTransport | None = None
 
-    async def build(self, spec: ComponentSpec) -> tuple[int, bool, bool]:
+    async def build(self, spec: ComponentSpec) -> tuple[int, bool, bool, bool]:
         """Build the generator; returns the served version and whether the backend can release
-        memory and abort requests."""
+        memory, abort requests and return MoE routing (``supports_routing`` as the built engine
+        reports it: an SGLang server knows only once it runs)."""
         self.generator = registry.build("generator", spec, field="generator")
         cls = type(self.generator)
-        return self.generator.weight_version, cls.supports_memory_release, cls.supports_abort
+        routing = bool(getattr(self.generator, "supports_routing", False))
+        return (
+            self.generator.weight_version,
+            cls.supports_memory_release,
+            cls.supports_abort,
+            routing,
+        )
 
     async def set_receiver(self, spec: ComponentSpec) -> None:
         """Build the receiver side of the weight transport."""
@@ -121,10 +128,12 @@ class RayGeneratorPool(Generator):
         import ray
 
         ready = ray.get([e.build.remote(spec) for e in self.engines])
-        self._version = min(v for v, _, _ in ready)
-        self.supports_release = all(flag for _, flag, _ in ready)
-        self.supports_abort = all(flag for _, _, flag in ready)
+        self._version = min(r[0] for r in ready)
+        self.supports_release = all(r[1] for r in ready)
+        self.supports_abort = all(r[2] for r in ready)
         """Every engine's backend can abort requests (``rl.partial_rollouts`` needs it)."""
+        self.supports_routing = all(r[3] for r in ready)
+        """Every engine returns MoE routing (``rollout.routing_replay`` needs it)."""
         self.last_update: WeightUpdate | None = None
         self.restarts = 0
         """Engines restarted so far (died or hung)."""
@@ -203,7 +212,7 @@ class RayGeneratorPool(Generator):
             if path is not None:
                 spec = spec_with("generator", spec, model_path=path, initial_version=version)
             engine = self.runtime._start_engine(slot)
-            served, _, _ = await await_ref(engine.build.remote(spec))
+            served = (await await_ref(engine.build.remote(spec)))[0]
             if self.receiver_spec is not None:
                 await await_ref(engine.set_receiver.remote(self.receiver_spec))
             if served != target and self.last_update is not None:

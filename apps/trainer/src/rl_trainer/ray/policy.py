@@ -385,9 +385,11 @@ class RayPolicy(_RankGroup, Policy):
         if len(outs) == 1:
             return outs[0]
         ent = [o.entropy for o in outs]
+        routed = [o.routed_experts for o in outs]
         return LogProbOutput(
             logprobs=torch.cat([o.logprobs for o in outs]),
             entropy=torch.cat(ent) if with_entropy and all(e is not None for e in ent) else None,
+            routed_experts=torch.cat(routed) if all(r is not None for r in routed) else None,
         )
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -170,6 +170,8 @@ class RayRuntime:
             colocation=self.colocation,
             dp_ranks=[dp for _, _, dp in built],
         )
+        cls = registry.resolve(registry.GROUPS["policy"], spec.type, field=f"{role}.type")
+        proxy.supports_routing_replay = bool(getattr(cls, "supports_routing_replay", False))
         self._policies[role] = proxy
         return proxy
 
