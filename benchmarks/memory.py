@@ -99,7 +99,9 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def measure_one(model_dir: str, tokens: int, chunk: int, seq_len: int, device: str) -> dict:
+def measure_one(
+    model_dir: str, tokens: int, chunk: int, seq_len: int, device: str, checkpointing: bool = False
+) -> dict:
     """Peak bytes of one step (this process); see the module docstring."""
     import dataclasses
     import gc
@@ -116,6 +118,7 @@ def measure_one(model_dir: str, tokens: int, chunk: int, seq_len: int, device: s
             device=device,
             dtype="bfloat16" if "bfloat16" in str(dtype) else "float32",
             logprob_chunk_tokens=chunk,
+            activation_checkpointing=checkpointing,
         )
     )
 
@@ -168,7 +171,7 @@ def _run_child(model_dir: Path, tokens: int, chunk: int, args: argparse.Namespac
         str(args.seq_len),
         "--device",
         args.device,
-    ]
+    ] + (["--activation-checkpointing"] if args.activation_checkpointing else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {"tokens": tokens, "chunk": chunk, "error": out.stderr[-2000:]}
@@ -203,12 +206,25 @@ def main() -> None:
         default="",
         help="also report these lengths, extrapolated linearly from the measured ones",
     )
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute decoder layers in backward (both paths), so the LM head's logits are what "
+        "differs; without it a deep model's activations dominate at long context",
+    )
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         model_dir, tokens, chunk = args.one.split(",")
-        res = measure_one(model_dir, int(tokens), int(chunk), args.seq_len, args.device)
+        res = measure_one(
+            model_dir,
+            int(tokens),
+            int(chunk),
+            args.seq_len,
+            args.device,
+            args.activation_checkpointing,
+        )
         print(json.dumps(res))
         return
 
@@ -258,6 +274,7 @@ def main() -> None:
         "model": {**SMOLLM2_135M, "num_hidden_layers": args.layers, "weights": "random"},
         "layers_note": f"{args.layers} of SmolLM2-135M's 30 decoder layers",
         "dtype": args.dtype,
+        "activation_checkpointing": args.activation_checkpointing,
         "device": args.device,
         "measure": "torch.cuda.max_memory_allocated - allocated before"
         if args.device.startswith("cuda")
