@@ -39,13 +39,20 @@ independent of this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["OffloadConfig", "OffloadKind", "ResidentStorage", "StorageOffloader"]
+__all__ = [
+    "OffloadConfig",
+    "OffloadKind",
+    "Offloadable",
+    "ResidentStorage",
+    "StorageOffloader",
+    "TrackedTensors",
+]
 
 OffloadKind = Literal["weights", "grads", "optimizer"]
 """What a tracked tensor is: model ``weights`` (parameters and buffers), ``grads`` (gradients
@@ -270,3 +277,49 @@ class StorageOffloader:
             if clear is not None:
                 clear()
             torch.cuda.empty_cache()
+
+
+TrackedTensors = Iterator[tuple[OffloadKind, str, torch.Tensor | None]]
+"""``(kind, name, tensor)`` of every tensor of a model's state (``None`` where absent)."""
+
+
+class Offloadable:
+    """``offload``/``onload`` for a policy or critic whose ``config.offload`` is an
+    :class:`OffloadConfig`: a subclass lists its state in :meth:`tracked_tensors` (weights
+    first: a storage's first kind decides whether it moves) and a :class:`StorageOffloader`
+    does the rest."""
+
+    config: Any
+
+    def tracked_tensors(self) -> TrackedTensors:
+        """``(kind, name, tensor)`` of every tensor of the state; a subclass provides it."""
+        raise NotImplementedError
+
+    @property
+    def offloader(self) -> StorageOffloader:
+        """The storage mover (built on first use from ``config.offload``)."""
+        found = self.__dict__.get("_offloader")
+        if found is None:
+            found = StorageOffloader(self.config.offload)
+            self.__dict__["_offloader"] = found
+        return found
+
+    @property
+    def is_offloaded(self) -> bool:
+        """Whether the state selected by ``config.offload`` is off the device now."""
+        found = self.__dict__.get("_offloader")
+        return bool(found is not None and found.offloaded)
+
+    def offload(self) -> None:
+        """Move the state ``config.offload`` selects off the device and free its device memory;
+        a no-op when already offloaded (local to the process: no collective)."""
+        self.offloader.offload(self.tracked_tensors())
+
+    def onload(self) -> None:
+        """Bring back, bitwise, what :meth:`offload` moved; a no-op when nothing is offloaded."""
+        self.offloader.onload()
+
+    def resident_storages(self) -> list[ResidentStorage]:
+        """Storages of the tracked state still holding memory outside the offloader's host
+        copies (after :meth:`offload`: only kinds switched off)."""
+        return self.offloader.resident(self.tracked_tensors())

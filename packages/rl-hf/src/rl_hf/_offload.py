@@ -11,19 +11,16 @@ are empty then); on CPU its tensors read the host copies, so it still computes t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from rl_core.offload import OffloadKind, ResidentStorage, StorageOffloader
+from rl_core.offload import Offloadable, TrackedTensors
 
 __all__ = ["OffloadMixin"]
 
-Tracked = Iterator[tuple[OffloadKind, str, torch.Tensor | None]]
 
-
-class OffloadMixin:
+class OffloadMixin(Offloadable):
     """Adds ``offload``/``onload`` to a policy with ``model``, ``_params``, ``optimizer``,
     ``device`` and ``config.offload`` attributes (``HFPolicy``)."""
 
@@ -33,36 +30,7 @@ class OffloadMixin:
     config: Any
     _params: list[torch.nn.Parameter]
 
-    @property
-    def offloader(self) -> StorageOffloader:
-        """The storage mover of this policy (built on first use from ``config.offload``)."""
-        found = self.__dict__.get("_offloader")
-        if found is None:
-            found = StorageOffloader(self.config.offload)
-            self.__dict__["_offloader"] = found
-        return found
-
-    @property
-    def is_offloaded(self) -> bool:
-        """Whether the state selected by ``config.offload`` is off the device now."""
-        found = self.__dict__.get("_offloader")
-        return bool(found is not None and found.offloaded)
-
-    def offload(self) -> None:
-        """Move weights, gradients and optimizer state (as ``config.offload`` selects) off the
-        device and free their device memory; a no-op when already offloaded."""
-        self.offloader.offload(self.tracked_tensors())
-
-    def onload(self) -> None:
-        """Bring back, bitwise, what :meth:`offload` moved; a no-op when nothing is offloaded."""
-        self.offloader.onload()
-
-    def resident_storages(self) -> list[ResidentStorage]:
-        """Storages of the tracked state still holding memory outside the offloader's host
-        copies (after :meth:`offload`: only kinds switched off)."""
-        return self.offloader.resident(self.tracked_tensors())
-
-    def tracked_tensors(self) -> Tracked:
+    def tracked_tensors(self) -> TrackedTensors:
         """``(kind, name, tensor)`` of every tensor of the policy's state, weights first."""
         for name, param in self.model.named_parameters():
             yield "weights", name, param

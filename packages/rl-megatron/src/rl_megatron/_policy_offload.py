@@ -19,16 +19,13 @@ its parameters directly: they are the optimizer's parameters too and move with `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from rl_core.offload import OffloadKind, ResidentStorage, StorageOffloader
+from rl_core.offload import Offloadable, TrackedTensors
 
 __all__ = ["OffloadMixin"]
-
-Tracked = Iterator[tuple[OffloadKind, str, torch.Tensor | None]]
 
 
 def _ddp_buffers(model: Any) -> list[Any]:
@@ -47,7 +44,7 @@ def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return out
 
 
-class OffloadMixin:
+class OffloadMixin(Offloadable):
     """Adds ``offload``/``onload`` to :class:`~rl_megatron.MegatronPolicy` (uses ``module``,
     ``model``, ``optimizer`` and ``config.offload``)."""
 
@@ -57,37 +54,7 @@ class OffloadMixin:
     optimizer: Any
     config: Any
 
-    @property
-    def offloader(self) -> StorageOffloader:
-        """The storage mover of this rank (built on first use from ``config.offload``)."""
-        found = self.__dict__.get("_offloader")
-        if found is None:
-            found = StorageOffloader(self.config.offload)
-            self.__dict__["_offloader"] = found
-        return found
-
-    @property
-    def is_offloaded(self) -> bool:
-        """Whether the state selected by ``config.offload`` is off the device now."""
-        found = self.__dict__.get("_offloader")
-        return bool(found is not None and found.offloaded)
-
-    def offload(self) -> None:
-        """Move this rank's weights, gradient buffers and optimizer state (as ``config.offload``
-        selects) off the device and free the device memory; a no-op when already offloaded.
-        Local to the rank (no collective), but call it on every rank."""
-        self.offloader.offload(self.tracked_tensors())
-
-    def onload(self) -> None:
-        """Bring back, bitwise, what :meth:`offload` moved; a no-op when nothing is offloaded."""
-        self.offloader.onload()
-
-    def resident_storages(self) -> list[ResidentStorage]:
-        """Storages of the tracked state still holding memory outside the offloader's host
-        copies (after :meth:`offload`: only kinds switched off)."""
-        return self.offloader.resident(self.tracked_tensors())
-
-    def tracked_tensors(self) -> Tracked:
+    def tracked_tensors(self) -> TrackedTensors:
         """``(kind, name, tensor)`` of this rank's state, weights first (a storage's first
         kind decides whether it moves)."""
         for name, param in self.module.named_parameters():
