@@ -50,3 +50,16 @@ def test_entry_point_resolves_to_the_policy() -> None:
 
     assert "megatron" in registry.available("rl.policies")
     assert registry.resolve("rl.policies", "megatron") is MegatronPolicy
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only redirections")
+def test_transformers_imports_after_the_redirections() -> None:
+    """The redirected ``torch.cuda.Stream`` stays a class: transformers' continuous batching
+    annotates ``torch.cuda.Stream | None`` at import, and a Megatron run that imported it after
+    the redirections died with ``unsupported operand type(s) for |`` (e2e kill-and-resume)."""
+    code = (
+        "from rl_megatron import _cpu_support; _cpu_support.enable_cpu_support(); "
+        "import torch; assert isinstance(torch.cuda.Stream(), torch.cuda.Stream); "
+        "import transformers.generation.continuous_batching"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -71,7 +71,12 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
 
 
 class _NullStream:
-    """Stands in for a CUDA stream: every wait or synchronisation returns at once."""
+    """Stands in for a CUDA stream: every wait or synchronisation returns at once. A class (not a
+    function) so code that annotates with ``torch.cuda.Stream | None`` at import time, as
+    transformers' continuous batching does, still imports."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes and ignores a stream's constructor arguments (device, priority)."""
 
     def wait_event(self, *args: Any, **kwargs: Any) -> None:
         """No-op."""
@@ -143,7 +148,7 @@ def enable_cpu_support() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.default_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     # 7. Side streams (MoE all-to-all dispatcher).
-    torch.cuda.Stream = lambda *a, **k: _NullStream()  # type: ignore[assignment,misc]
+    torch.cuda.Stream = _NullStream  # type: ignore[assignment,misc]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
 
     # 3. RNG: the "CUDA" generator state is the CPU one.
