@@ -14,7 +14,7 @@ subprocess:
 - CUDA (``--device cuda``): ``torch.cuda.max_memory_allocated`` during the step minus the
   memory allocated before it.
 
-``chunked`` is ``logprob_chunk_tokens=1024`` (the default), ``unchunked`` is 0 (the model's own
+``chunked`` is ``logprob_chunk_tokens=1024``, ``unchunked`` is 0 (the model's own
 ``[T, V]`` logits). Where an unchunked case is skipped (``--max-unchunked``, to fit the host),
 its value is extrapolated linearly from the measured ones and marked ``"extrapolated"``;
 ``--extrapolate`` adds lengths not run at all (both paths extrapolated, marked likewise).

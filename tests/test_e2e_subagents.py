@@ -27,7 +27,8 @@ class Logged(SubAgentRollout):
 
 
 def test_subagent_siblings_vary_the_batch_and_train_together(tmp_path, cli, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:" + __import__("os").environ["PYTHONPATH"])
+    extra = __import__("os").environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{extra}" if extra else str(tmp_path))
     log = tmp_path / "fanout.jsonl"
     monkeypatch.setenv("FANOUT_LOG", str(log))
     (tmp_path / "fanout_fn.py").write_text(textwrap.dedent(WRAPPER))

@@ -78,7 +78,9 @@ def hf(tmp_path_factory):
             hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
         ),
     )
-    gen = HFGenerator(HFGenerator.Config(model_path=str(path)))
+    # No EOS stop: the long turn must still be running when the update lands (a sampled EOS
+    # ended it early under load and the test saw no interruption).
+    gen = HFGenerator(HFGenerator.Config(model_path=str(path), stop_on_eos=False))
     yield gen
     asyncio.run(gen.close())
 

@@ -150,7 +150,7 @@ def test_head_it_cannot_reproduce_is_refused(tmp_path: Path) -> None:
     cfg["final_logit_softcapping"] = 30.0
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="logprob_chunk_tokens"):
-        HFPolicy(HFPolicy.Config(model_path=str(path)))
+        HFPolicy(HFPolicy.Config(model_path=str(path), logprob_chunk_tokens=1024))
     HFPolicy(HFPolicy.Config(model_path=str(path), logprob_chunk_tokens=0))
 
 

@@ -98,7 +98,9 @@ class MathEquiv:
     def _parse(self, text: str) -> list[Any]:
         try:
             return list(self._mv.parse(text, parsing_timeout=self._timeout()))
-        except Exception as e:  # math_verify reports unparsable input as [] but may raise on odd input
+        except (
+            Exception
+        ) as e:  # math_verify reports unparsable input as [] but may raise on odd input
             self._record_error("parse", e, text)
             return []
 
