@@ -25,13 +25,10 @@ token they could influence), so any valid expert choice is exact there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 __all__ = [
     "RoutingShape",
-    "concat_routing",
     "pad_routing",
     "routing_bytes_per_token",
     "routing_dtype",
@@ -144,7 +141,3 @@ def routing_mismatch(
         return float((differ_SL * m_SL).sum()) / n if n else 0.0
     return float(differ_SL.mean()) if differ_SL.numel() else 0.0
 
-
-def concat_routing(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Pack per-sequence routings ``[S_i, L, K]`` into ``[sum S_i, L, K]``."""
-    return torch.cat(list(parts))
