@@ -140,4 +140,3 @@ def routing_mismatch(
         n = float(m_SL.sum())
         return float((differ_SL * m_SL).sum()) / n if n else 0.0
     return float(differ_SL.mean()) if differ_SL.numel() else 0.0
-
