@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
@@ -492,3 +493,50 @@ def test_agent_rollout_config_checked_at_load_time():
     with pytest.raises(ConfigError, match="does not match"):
         AgentRollout(AgentRollout.Config(program="json:dumps"))  # fine: one positional arg
         AgentRollout(AgentRollout.Config(program=f"{__name__}:_turn"))  # two required args
+
+
+# ------------------------------------------------------------------------------- MoE routing
+
+
+def test_session_rollouts_carry_the_engines_routing_for_every_token(tmp_path, tok):
+    """MoE routing replay through the agent server: a session opened with ``return_routing``
+    asks the engine for its routing on every completion, and the merged two-turn rollout holds
+    one routing row per token (prompt, both completions and the user turn between them), each
+    from the engine pass that first ran that token."""
+    from rl_hf import TINY_MOE
+
+    inner = HFGenerator(HFGenerator.Config(model_path=str(build_tiny_model(tmp_path, TINY_MOE))))
+    gen = Recording(inner)
+    messages: list = [{"role": "user", "content": "hi"}]
+
+    async def body(server, client):
+        server.open_session("moe", sampling=SAMPLING, return_routing=True)
+        server.open_session("dense", sampling=SAMPLING)
+        c = client("moe")
+        first = await c.chat.completions.create(model="p", messages=messages)
+        messages.append({"role": "assistant", "content": first.choices[0].message.content})
+        messages.append({"role": "user", "content": "more"})
+        await c.chat.completions.create(model="p", messages=messages)
+        await client("dense").chat.completions.create(model="p", messages=messages[:1])
+        moe = server.finish_session("moe", prompt_uid="q", prompt_ids=[1])
+        dense = server.finish_session("dense", prompt_uid="q", prompt_ids=[1])
+        return moe, dense
+
+    try:
+        (moe, dense) = _serve(gen, tok, body)
+    finally:
+        asyncio.run(inner.close())
+    assert [q.return_routing for q in gen.requests] == [True, True, False]
+    assert all(r.routed_experts is None for r in dense)
+    (r,) = moe  # the second prompt extends the first turn: one trajectory
+    routed = r.routed_experts
+    n_layers, top_k = TINY_MOE.num_layers, TINY_MOE.moe_top_k
+    assert routed is not None and tuple(routed.shape) == (len(r.tokens), n_layers, top_k)
+    assert routed.dtype == torch.uint8 and int(routed.max()) < TINY_MOE.num_experts
+    res1, res2 = gen.results[:2]
+    p1, p2 = len(gen.requests[0].input_ids), len(gen.requests[1].input_ids)
+    ran1 = p1 + len(res1.output_ids) - 1  # turn 1's last sampled token was never run
+    assert torch.equal(routed[:ran1], res1.routed_experts[:ran1])
+    # From there on (turn 1's last token, the user turn, turn 2) the rows are turn 2's.
+    end = p2 + len(res2.output_ids) - 1
+    assert torch.equal(routed[ran1:end], res2.routed_experts[ran1:end])

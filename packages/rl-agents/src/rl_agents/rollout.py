@@ -155,7 +155,9 @@ class AgentRollout:
         if sampling.seed is not None:
             seed = (sampling.seed * 1_009 + k) & 0x7FFFFFFF
             sampling = dataclasses.replace(sampling, seed=seed)
-        server.open_session(sid, sampling=sampling, metadata={"sample": k})
+        server.open_session(
+            sid, sampling=sampling, metadata={"sample": k}, return_routing=ctx.return_routing
+        )
         task = AgentTask(
             base_url=server.base_url, api_key=sid, model=server.config.model_name, prompt=prompt
         )

@@ -150,8 +150,11 @@ class AgentServer:
         *,
         sampling: SamplingParams,
         metadata: Mapping[str, Any] | None = None,
+        return_routing: bool = False,
     ) -> Session:
-        """Start recording a session; requests carrying ``session_id`` are served from now on."""
+        """Start recording a session; requests carrying ``session_id`` are served from now on.
+        With ``return_routing`` every completion asks the engine for its MoE routing and the
+        session's rollouts carry it (:attr:`Session.return_routing`)."""
         if session_id in self.sessions or session_id in self._finished:
             raise DataError(f"agents: session {session_id!r} was already opened; ids are unique.")
         s = Session(
@@ -160,6 +163,7 @@ class AgentServer:
             max_turns=self.config.max_turns,
             max_context_tokens=self.config.max_context_tokens,
             metadata=dict(metadata or {}),
+            return_routing=return_routing,
         )
         self.sessions[session_id] = s
         return s
@@ -280,6 +284,7 @@ class AgentServer:
             request_id=f"{s.id}/{len(s.turns)}/{uuid.uuid4().hex[:8]}",
             input_ids=ids,
             sampling=sampling,
+            return_routing=s.return_routing,
         )
         try:
             (result,) = await self.generator.generate([request])

@@ -89,6 +89,10 @@ class Session:
     """Prompt + completion tokens allowed per request at most."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form data copied into each rollout's metadata."""
+    return_routing: bool = False
+    """Ask the engine for the experts it routed every token to (MoE routing replay,
+    ``rollout.routing_replay``); the session's rollouts then carry ``routed_experts`` for every
+    token, the tool tokens between turns included (from the next turn's prefill)."""
     turns: list[TurnRecord] = field(default_factory=list)
     """Served completions, in order."""
     closed: bool = False
