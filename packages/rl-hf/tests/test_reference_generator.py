@@ -16,6 +16,7 @@ import torch
 
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
+from rl_core.logprobs import truncate_logits
 from rl_core.testing.generator import FakeGenerator, GeneratorConformance, InMemoryTransport
 from rl_core.testing.weight_transport import WeightTransportConformance
 from rl_core.types import FinishReason, GenerationRequest, SamplingParams
@@ -50,14 +51,22 @@ def _req(rid: str, ids: Sequence[int], **sampling: object) -> GenerationRequest:
 
 
 def _teacher_forced(
-    model: torch.nn.Module, prompt: Sequence[int], out: Sequence[int], temperature: float
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    out: Sequence[int],
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> torch.Tensor:
+    """``[R, V]`` log-probs of the distribution each output token was sampled from: the
+    temperature-scaled softmax renormalised over the top-k / top-p candidate set."""
     ids = torch.tensor([list(prompt) + list(out)])
     with torch.no_grad():
         logits_LV = model(input_ids=ids).logits[0].float()
     t = temperature if temperature > 0 else 1.0
     p = len(prompt)
-    return torch.log_softmax(logits_LV[p - 1 : p - 1 + len(out)] / t, -1)
+    z_RV = truncate_logits(logits_LV[p - 1 : p - 1 + len(out)] / t, top_p=top_p, top_k=top_k)
+    return torch.log_softmax(z_RV, -1)
 
 
 # ---------------------------------------------------------------------------------- suites
@@ -164,7 +173,14 @@ def test_logprobs_equal_teacher_forcing_in_mixed_batch(
     reqs = _mixed_batch()
     res = asyncio.run(gen.generate(reqs))
     for q, r in zip(reqs, res):
-        ref_RV = _teacher_forced(gen.model, q.input_ids, r.output_ids, q.sampling.temperature)
+        ref_RV = _teacher_forced(
+            gen.model,
+            q.input_ids,
+            r.output_ids,
+            q.sampling.temperature,
+            q.sampling.top_p,
+            q.sampling.top_k,
+        )
         want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
         if q.sampling.temperature == 0:
@@ -187,7 +203,14 @@ def test_llama_arch_mixed_batch(tmp_path: Path) -> None:
     gen = _gen(build_tiny_model(tmp_path / "llama", spec), compact_fraction=0.01)
     reqs = _mixed_batch(8)
     for q, r in zip(reqs, asyncio.run(gen.generate(reqs))):
-        ref_RV = _teacher_forced(gen.model, q.input_ids, r.output_ids, q.sampling.temperature)
+        ref_RV = _teacher_forced(
+            gen.model,
+            q.input_ids,
+            r.output_ids,
+            q.sampling.temperature,
+            q.sampling.top_p,
+            q.sampling.top_k,
+        )
         want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
     asyncio.run(gen.close())
@@ -234,7 +257,14 @@ def test_per_row_temperature_changes_distribution(tiny_path: Path) -> None:
     means = [sum(r.output_logprobs) / len(r.output_logprobs) for r in res]
     assert means[0] > means[1] > means[2], means
     for q, r in zip(reqs, res):
-        ref_RV = _teacher_forced(gen.model, prompt, r.output_ids, q.sampling.temperature)
+        ref_RV = _teacher_forced(
+            gen.model,
+            prompt,
+            r.output_ids,
+            q.sampling.temperature,
+            q.sampling.top_p,
+            q.sampling.top_k,
+        )
         want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
     asyncio.run(gen.close())
@@ -352,7 +382,14 @@ def test_group_batch_shares_prefill(tiny_path: Path) -> None:
     ]
     res = asyncio.run(gen.generate(reqs))
     for q, r in zip(reqs, res):
-        ref_RV = _teacher_forced(gen.model, q.input_ids, r.output_ids, q.sampling.temperature)
+        ref_RV = _teacher_forced(
+            gen.model,
+            q.input_ids,
+            r.output_ids,
+            q.sampling.temperature,
+            q.sampling.top_p,
+            q.sampling.top_k,
+        )
         want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
     assert len({r.output_ids for r in res[:4]}) > 1, "samples of one prompt are all equal"

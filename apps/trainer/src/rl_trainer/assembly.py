@@ -153,6 +153,8 @@ def _data_and_rewards(cfg: TrainerConfig, tokenizer: Any) -> tuple[Any, Scorer, 
     task = build_task(cfg)
     train_spec, eval_spec = data_specs(cfg, task, data_dir=cfg.run_path / "data")
     train_data = registry.build("data_source", train_spec, field="data.train", tokenizer=tokenizer)
+    if cfg.mode == "sft":  # no rewards, no sampled eval: the SFT phase scores eval/loss itself
+        return train_data, Scorer(_no_reward, tokenizer, reward_name="none"), []
     eval_data = (
         registry.build("data_source", eval_spec, field="data.eval", tokenizer=tokenizer)
         if eval_spec is not None
@@ -191,6 +193,11 @@ def _data_and_rewards(cfg: TrainerConfig, tokenizer: Any) -> tuple[Any, Scorer, 
         tokenizer=tokenizer,
     )
     return train_data, scorer, eval_sets
+
+
+def _no_reward(prompt: Any, response: str, **_: Any) -> float:
+    """The reward of a ``mode: sft`` run, which samples nothing (never called)."""
+    return 0.0
 
 
 def _algorithm(cfg: TrainerConfig) -> tuple[Any, PolicyLoss.Config, ValueLoss | None]:

@@ -56,6 +56,7 @@ def recipe_path(name_or_path: str) -> Path:
         sorted(
             f.name.removesuffix(".yaml")
             for f in (resources.files("rl_trainer") / "recipes").iterdir()
+            if f.name.endswith(".yaml")
         )
     )
     raise RLError(

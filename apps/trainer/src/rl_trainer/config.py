@@ -431,6 +431,11 @@ class RuntimeConfig:
 class TrainerConfig:
     """The root configuration of one run."""
 
+    mode: Literal["rl", "sft"] = "rl"
+    """``rl``: the optional ``sft`` warm-up, then RL. ``sft``: supervised fine-tuning only, on
+    chat conversations (``data.train`` with a messages ``input_key``), loss on assistant turns,
+    ``sft.steps`` steps, ``eval/loss`` on ``data.eval``; ``rollout``/``rl``/``reward`` unused
+    (``rl.max_tokens_per_micro_batch`` still caps micro-batches)."""
     run_dir: str = "runs/default"
     """Where metrics, checkpoints and the final model go."""
     seed: Annotated[int, Range(ge=0, lt=2**32)] = 0
@@ -509,6 +514,12 @@ def load_trainer_config(
         raise ConfigError("task: set a built-in task (e.g. {type: reverse}) or data.train.")
     if cfg.model.path is None and cfg.model.init is None:
         raise ConfigError("model: set model.path (a Hugging Face directory) or model.init.")
+    if cfg.mode == "sft" and (cfg.sft.steps == 0 or cfg.data.train is None):
+        raise ConfigError(
+            "mode: sft trains on chat data for sft.steps steps; set sft.steps >= 1 and "
+            "data.train (e.g. {type: jsonl, path: chat.jsonl, input_key: messages, "
+            "label_key: null, apply_chat_template: true})."
+        )
     if cfg.rl.steps == 0 and cfg.sft.steps == 0:
         raise ConfigError(
             "rl.steps: 0 with sft.steps: 0 would run nothing; set rl.steps >= 1 (or sft.steps "

@@ -50,8 +50,8 @@ from rl_trainer.evaluation import EvalSet
 from rl_trainer.failures import FailureLog
 from rl_trainer.metrics import MetricsLogger, build_sinks
 from rl_trainer.offload import Handover, onloaded
-from rl_trainer.phases import PHASES
 from rl_trainer.phases import eval as evaluation
+from rl_trainer.phases import phases_for
 from rl_trainer.pipeline import RolloutPipeline
 from rl_trainer.stopping import StopSignals
 
@@ -165,21 +165,21 @@ class Trainer:
             return asyncio.run(self._run())
 
     async def _run(self) -> list[dict[str, Any]]:
-        """Run the phases in order (:data:`rl_trainer.phases.PHASES`) until one is stopped by a
+        """Run the mode's phases in order (:func:`rl_trainer.phases.phases_for`) until one is stopped by a
         signal; everything built is closed whatever happens."""
         cfg = self.config
         self._metrics = MetricsLogger(
             self.run_dir,
             tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress,
-            phase_steps={"sft": cfg.sft.steps, "rl": cfg.rl.steps},
+            phase_steps={"sft": cfg.sft.steps, "rl": cfg.rl.steps if cfg.mode == "rl" else 0},
             resume_lines=self.resume_lines,
             sinks=build_sinks(cfg),
         )
         self._records = []
         self._t_start = time.perf_counter()
         try:
-            for phase in PHASES:
+            for phase in phases_for(cfg.mode):
                 if await phase(self):
                     break
         finally:

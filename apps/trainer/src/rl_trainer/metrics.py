@@ -199,12 +199,12 @@ class MetricsLogger:
 
 
 def count_steps(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """Steps per phase in ``records`` (``{"sft": 30, "rl": 200}``): one per SFT record and per
-    RL record after step 0 (the RL phase's first record is the evaluation before training)."""
+    """Steps per phase in ``records`` (``{"sft": 30, "rl": 200}``): one per record after step 0
+    (a phase's step-0 record is the evaluation before training: RL's, or ``mode: sft``'s)."""
     out: dict[str, int] = {}
     for r in records:
         phase = str(r.get("phase"))
-        if phase == "rl" and r.get("step") == 0:
+        if r.get("step") == 0:
             continue
         out[phase] = out.get(phase, 0) + 1
     return out

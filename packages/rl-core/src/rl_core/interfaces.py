@@ -206,6 +206,11 @@ class Generator(abc.ABC):
     supports_routing: ClassVar[bool] = False
     """Honours ``GenerationRequest.return_routing``: returns the experts a mixture-of-experts
     model chose for every token in ``GenerationResult.routed_experts``."""
+    truncated_logprobs: ClassVar[bool] = False
+    """``output_logprobs`` are under the distribution actually sampled from: the
+    temperature-scaled softmax renormalised over the top-k / top-p candidate set
+    (:func:`rl_core.logprobs.truncate_logits`). ``False``: under the temperature-scaled softmax
+    before truncation (what SGLang returns). The two agree when a request does not truncate."""
 
     @property
     @abc.abstractmethod

@@ -29,10 +29,12 @@ batch (call :meth:`HFGenerator.abort` first to cut it short), so every result wa
 exactly one weight version. :meth:`HFGenerator.abort` ends rows at the next decode step with
 their partial tokens.
 
-Log-probs (``GenerationResult.output_logprobs``): ``log_softmax(logits / T)`` of the sampled token,
-i.e. under the *temperature-scaled* distribution *before* top-k / top-p truncation, which is what a
-trainer recomputes from its own logits. For greedy rows (``temperature == 0``) ``T = 1`` is used, so
-the value is the plain maximum log-softmax.
+Log-probs (``GenerationResult.output_logprobs``): the log-prob of the sampled token under the
+distribution it was drawn from: ``log_softmax(logits / T)`` renormalised over the row's top-k /
+top-p candidate set (:func:`rl_core.logprobs.truncate_logits`, the function a policy with the same
+``top_p``/``top_k`` applies to its own logits, so on-policy the importance ratio is exactly 1).
+Without truncation that is the plain temperature-scaled log-softmax. For greedy rows
+(``temperature == 0``) ``T = 1`` is used (and the row's top-k / top-p, if any).
 
 Reproducibility: every row draws its uniforms from its own ``torch.Generator`` seeded with the
 request's ``sampling.seed`` (unseeded requests get a seed from ``Config.seed`` in arrival order), and
@@ -59,6 +61,7 @@ import torch
 from rl_core.config import NonNegFloat, NonNegInt, PositiveInt, Range, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
+from rl_core.logprobs import truncate_logits
 from rl_core.routing import pad_routing
 from rl_core.types import (
     FinishReason,
@@ -98,6 +101,8 @@ class HFGenerator(Generator):
     """On a mixture-of-experts model, ``return_routing`` gives the router's top-k for every
     token (read from the model's router modules); a dense model asked for it raises
     ``ConfigError``."""
+    truncated_logprobs: ClassVar[bool] = True
+    """Log-probs are under the top-k / top-p truncated distribution each token was drawn from."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -766,27 +771,20 @@ def _sample_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns ``(tokens [A], log-probs [A])``.
 
-    Log-probs are ``log_softmax(logits / T)`` before truncation (``T = 1`` for greedy rows).
-    Top-k is applied first, then top-p on the renormalised top-k mass (as SGLang and HF do);
-    sampling is by inverse CDF with the row's uniform ``u_A`` in [0, 1).
+    Log-probs are those of the distribution sampled from: ``log_softmax(logits / T)`` over the
+    row's top-k / top-p candidate set (``T = 1`` for greedy rows; top-k first, then top-p on the
+    renormalised top-k mass, as SGLang and HF do; ties at the cut are all kept, see
+    :func:`rl_core.logprobs.truncate_logits`). Sampling is by inverse CDF, in vocabulary order,
+    with the row's uniform ``u_A`` in [0, 1), so a row samples the same token whether or not
+    other rows of its batch truncate.
     """
     dev = logits_AV.device
-    logp_AV = torch.log_softmax(logits_AV / scale_A.to(dev)[:, None], dim=-1)
-    V = logp_AV.shape[-1]
+    z_AV = logits_AV / scale_A.to(dev)[:, None]
     if filter_any:
-        # Truncate in sorted order, then scatter back: sampling below is always in vocab order,
-        # so a row samples the same token whether or not other rows of its batch truncate.
-        logp_sorted_AV, order_AV = logp_AV.sort(dim=-1, descending=True)
-        p_AV = logp_sorted_AV.exp()
-        rank_V = torch.arange(V, device=dev)
-        k_A = torch.where(top_k_A > 0, top_k_A, V).to(dev)
-        p_AV = torch.where(rank_V[None] < k_A[:, None], p_AV, 0.0)
-        cum_AV = p_AV.cumsum(-1)
-        before_AV = (cum_AV - p_AV) / cum_AV[:, -1:]
-        p_AV = torch.where(before_AV < top_p_A.to(dev)[:, None], p_AV, 0.0)
-        p_AV = torch.zeros_like(p_AV).scatter_(1, order_AV, p_AV)
-    else:
-        p_AV = logp_AV.exp()
+        z_AV = truncate_logits(z_AV, top_p=top_p_A.to(dev), top_k=top_k_A.to(dev))
+    logp_AV = torch.log_softmax(z_AV, dim=-1)
+    V = logp_AV.shape[-1]
+    p_AV = logp_AV.exp()
     cdf_AV = p_AV.double().cumsum(-1)
     j_A = torch.searchsorted(cdf_AV, (u_A.to(dev) * cdf_AV[:, -1])[:, None], right=True)
     tok_A = j_A.clamp_(max=V - 1).squeeze(1)

@@ -29,14 +29,14 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
-from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, Seed
+from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, Range, Seed
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
-from rl_core.logprobs import linear_logprobs
+from rl_core.logprobs import linear_logprobs, truncate_logits, truncates
 from rl_core.offload import OffloadConfig
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
 from rl_hf._offload import OffloadMixin
@@ -56,6 +56,8 @@ def token_logprobs(
     *,
     temperature: PositiveFloat = 1.0,
     with_entropy: bool = False,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token under the logits of the position before it, and that entropy.
 
@@ -65,6 +67,9 @@ def token_logprobs(
         starts_T: ``[T]`` bool, True at the first token of each sequence.
         temperature: logits are divided by it before the softmax.
         with_entropy: also return the entropy of each predictive distribution.
+        top_p: renormalise over the sampler's top-p candidate set (1: off), see
+            :func:`rl_core.logprobs.truncate_logits`; the entropy is then the truncated one.
+        top_k: renormalise over the sampler's top-k candidate set (0: off).
 
     Returns:
         ``logp_T`` (float32, 0 at sequence starts) and ``entropy_T`` (or ``None``).
@@ -79,6 +84,8 @@ def token_logprobs(
         logits_SV = logits_SV.float()
     if temperature != 1.0:
         logits_SV = logits_SV / temperature
+    if truncates(top_p, top_k):
+        logits_SV = truncate_logits(logits_SV, top_p=top_p, top_k=top_k, keep_R=tokens_T[1:])
     lse_S = torch.logsumexp(logits_SV, dim=-1)
     target_S = logits_SV.gather(-1, tokens_T[1:, None]).squeeze(-1)
     keep_T = ~starts_T
@@ -88,6 +95,8 @@ def token_logprobs(
         return logp_T, None
     # H = lse - sum_v p_v * z_v; the dot product runs as a batched matmul (no [S, V] product).
     p_SV = torch.softmax(logits_SV, dim=-1)
+    if truncates(top_p, top_k):  # cut entries: p = 0 and z = -inf; their product is 0
+        logits_SV = logits_SV.nan_to_num(neginf=0.0)
     expected_S = torch.bmm(p_SV.unsqueeze(1), logits_SV.unsqueeze(2)).view(-1)
     entropy_S = (lse_S - expected_S).clamp_min(0.0)
     entropy_T = torch.where(keep_T, torch.cat([zero_1, entropy_S]), 0.0)
@@ -129,6 +138,13 @@ class HFPolicy(OffloadMixin, Policy):
         temperature: PositiveFloat = 1.0
         """Logits are divided by it before log-softmax, in ``compute_logprobs`` and
         ``train_step``; set it to the rollout sampling temperature."""
+        top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+        """Log-probs (and entropy) are renormalised over the top-p candidate set of each
+        position (rebuilt from the policy's own temperature-scaled logits), so they are those
+        of the distribution a ``top_p`` sampler draws from; set it to the rollout's ``top_p``
+        (``rl-train`` does) so importance ratios are unbiased. 1: the full distribution."""
+        top_k: NonNegInt = 0
+        """As ``top_p``, for the sampler's top-k cut (applied before top-p); 0: off."""
         dtype: Literal["float32", "bfloat16"] = "float32"
         """Parameter and compute dtype (log-softmax always runs in float32)."""
         attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -391,6 +407,8 @@ class HFPolicy(OffloadMixin, Policy):
                 position_ids_T == 0,
                 temperature=self.config.temperature,
                 with_entropy=with_entropy,
+                top_p=self.config.top_p,
+                top_k=self.config.top_k,
             )
         # Score from the final hidden states: only the needed positions, in chunks.
         hidden_TH = self._forward(batch, lambda: self.model.base_model(**kwargs).last_hidden_state)[
@@ -407,6 +425,8 @@ class HFPolicy(OffloadMixin, Policy):
             temperature=self.config.temperature,
             with_entropy=with_entropy,
             chunk_tokens=self.config.logprob_chunk_tokens,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
         )
         zero_T = torch.zeros(tokens_T.shape[0], dtype=torch.float32, device=self.device)
         logp_T = zero_T.masked_scatter(scored_T, logp_S)

@@ -13,6 +13,10 @@ a chunk of positions at a time (:func:`rl_core.logprobs.linear_logprobs`: per ch
 all-reduced max / sum of exponentials / target logit / ``sum e*z``; logits recomputed in
 backward), so no rank ever holds ``[S, V/tp]`` float32 logits for the whole micro-batch.
 
+Truncated sampling: ``top_p``/``top_k`` renormalise each position over the sampler's candidate
+set (:func:`rl_core.logprobs.truncate_logits`), on one tensor-parallel rank only (a split
+vocabulary raises ``ValueError``: the threshold would need the global sorted distribution).
+
 Tensor-name legend: ``S`` scored positions, ``V`` this rank's vocabulary slice, ``H`` hidden size.
 """
 
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rl_core.logprobs import linear_logprobs
+from rl_core.logprobs import linear_logprobs, truncate_logits, truncates
 
 __all__ = ["chunked_vocab_parallel_logprobs", "emit_hidden_states", "vocab_parallel_logprobs"]
 
@@ -44,6 +48,8 @@ def vocab_parallel_logprobs(
     group: torch.distributed.ProcessGroup | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log p(target)`` and the entropy of each position's predictive distribution.
 
@@ -56,10 +62,18 @@ def vocab_parallel_logprobs(
         group: the tensor-parallel process group (``None`` or size 1: no communication).
         temperature: logits are divided by it first.
         with_entropy: also return the entropy ``[S]``.
+        top_p: renormalise over the sampler's top-p set (1: off); one TP rank only.
+        top_k: renormalise over the sampler's top-k set (0: off); one TP rank only.
 
     Returns:
         ``logp_S`` float32 and ``entropy_S`` (or ``None``), identical on every TP rank.
     """
+    trunc = truncates(top_p, top_k)
+    if trunc and group is not None and torch.distributed.get_world_size(group) > 1:
+        raise ValueError(
+            "vocab_parallel_logprobs: top_p/top_k truncation needs the whole vocabulary on one "
+            "rank (tensor-parallel size 1)."
+        )
     z_SV = logits_SV.float()
     if temperature != 1.0:
         z_SV = z_SV / temperature
@@ -69,6 +83,8 @@ def vocab_parallel_logprobs(
     has_padding = not bool(valid_V.all())
     if has_padding:
         z_SV = z_SV.masked_fill(~valid_V, float("-inf"))
+    if trunc:
+        z_SV = truncate_logits(z_SV, top_p=top_p, top_k=top_k, keep_R=targets_S - vocab_start)
     with torch.no_grad():
         max_S = z_SV.max(dim=-1).values
         if group is not None and torch.distributed.get_world_size(group) > 1:
@@ -85,7 +101,10 @@ def vocab_parallel_logprobs(
     if not with_entropy:
         return logp_S, None
     # H = log(sum e^s) - sum_v p_v s_v with s = z - max (shift-invariant); padding has p = 0.
-    finite_SV = shifted_SV.masked_fill(~valid_V, 0.0) if has_padding else shifted_SV
+    if trunc:  # cut and padding entries: e = 0 and s = -inf; their product is 0
+        finite_SV = shifted_SV.masked_fill(torch.isinf(shifted_SV), 0.0)
+    else:
+        finite_SV = shifted_SV.masked_fill(~valid_V, 0.0) if has_padding else shifted_SV
     dot_S = _all_reduce((exp_SV * finite_SV).sum(dim=-1), group)
     entropy_S = (log_sum_S - dot_S / sum_exp_S).clamp_min(0.0)
     return logp_S, entropy_S
@@ -148,6 +167,8 @@ def chunked_vocab_parallel_logprobs(
     chunk_tokens: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`vocab_parallel_logprobs` from hidden states and this rank's head slice, in chunks.
 
@@ -162,6 +183,8 @@ def chunked_vocab_parallel_logprobs(
         chunk_tokens: positions per chunk (> 0).
         temperature: logits are divided by it first.
         with_entropy: also return the entropy ``[S]``.
+        top_p: renormalise over the sampler's top-p set (1: off); one TP rank only.
+        top_k: renormalise over the sampler's top-k set (0: off); one TP rank only.
 
     Returns:
         ``logp_S`` float32 and ``entropy_S`` (or ``None``), identical on every TP rank.
@@ -178,4 +201,6 @@ def chunked_vocab_parallel_logprobs(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         group=group,
+        top_p=top_p,
+        top_k=top_k,
     )

@@ -99,6 +99,12 @@ class MegatronPolicy(
         """Hugging Face model directory (``config.json``, safetensors weights, tokenizer)."""
         temperature: PositiveFloat = 1.0
         """Logits are divided by it before log-softmax; set it to the sampling temperature."""
+        top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+        """Log-probs and entropy are renormalised over each position's top-p candidate set
+        (rebuilt from the policy's own logits, :func:`rl_core.logprobs.truncate_logits`); set
+        it to the rollout's ``top_p`` (``rl-train`` does). 1: off. Needs ``tp_size: 1``."""
+        top_k: NonNegInt = 0
+        """As ``top_p``, for the sampler's top-k cut; 0: off. Needs ``tp_size: 1``."""
         tp_size: PositiveInt = 1
         """Tensor-parallel size; must divide the key/value heads."""
         pp_size: PositiveInt = 1
@@ -158,6 +164,14 @@ class MegatronPolicy(
                 )
             if self.tp_size < 1:
                 raise ConfigError(f"policy.tp_size: must be >= 1, got {self.tp_size}.")
+            if (self.top_p < 1 or self.top_k > 0) and self.tp_size > 1:
+                raise ConfigError(
+                    f"policy.top_p/top_k (from rollout.sampling: top_p={self.top_p}, "
+                    f"top_k={self.top_k}): top-p/top-k-aware log-probs are not supported with "
+                    f"tensor parallelism (policy.tp_size={self.tp_size}; the candidate threshold "
+                    "would need the global sorted vocabulary). Use policy.tp_size: 1, or sample "
+                    "with top_p: 1.0 and top_k: 0."
+                )
             if self.pp_size < 1:
                 raise ConfigError(f"policy.pp_size: must be >= 1, got {self.pp_size}.")
             if self.expert_model_parallel_size < 1:
@@ -583,6 +597,8 @@ class MegatronPolicy(
                 chunk_tokens=self.config.logprob_chunk_tokens,
                 temperature=self.config.temperature,
                 with_entropy=with_entropy,
+                top_p=self.config.top_p,
+                top_k=self.config.top_k,
             )
             logp_T = zero_T.masked_scatter(scored_T, logp_S)
             ent_T = zero_T.masked_scatter(scored_T, ent_S) if ent_S is not None else None
@@ -597,6 +613,8 @@ class MegatronPolicy(
             group=ps.get_tensor_model_parallel_group(),
             temperature=self.config.temperature,
             with_entropy=with_entropy,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
         )
         logp_T = zero_T.masked_scatter(scored_T, logp_S)
         ent_T = zero_T.masked_scatter(scored_T, ent_S) if ent_S is not None else None

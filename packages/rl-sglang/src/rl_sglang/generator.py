@@ -30,6 +30,13 @@ process died, or that failed ``health_failures`` probes in a row, is taken out o
 restarted on the same port (owned servers), re-synced to the current weights and version, and
 put back.
 
+Log-probs under top-p / top-k: SGLang's sampler returns ``log_softmax(logits / T)`` of the
+sampled token *before* truncation (its ``SGLANG_RETURN_ORIGINAL_LOGPROB`` env switches only to the
+pre-temperature values; 0.5.x has no option for the renormalised, post-top-p values), so
+``truncated_logprobs`` stays false: under truncated sampling these sit ``log S`` (the kept mass)
+below the trainer's top-p-aware log-probs, and rl-train refuses a mismatch correction against them
+(:mod:`rl_trainer.truncation`).
+
 Seeds: SGLang honours ``sampling_seed`` only with ``--enable-deterministic-inference``, which
 needs a GPU attention backend; on CPU, seeded requests are sent with their seed but sampling is
 not reproducible.

@@ -5,7 +5,8 @@ runs its steps (emitting metrics, checkpointing on schedule, stopping on a signa
 ``True`` when a signal stopped the run. A new mode (rollout-only, replay, eval-only) is a new
 module here and an entry in :data:`PHASES`, not a branch in the driver.
 
-- :mod:`~rl_trainer.phases.sft`: the SFT warm-up on the training labels.
+- :mod:`~rl_trainer.phases.sft`: the SFT warm-up on the training labels, or with
+  ``mode: sft`` the whole run on chat data (:mod:`~rl_trainer.phases.chat_sft`).
 - :mod:`~rl_trainer.phases.rl`: the RL phase (its steps are :mod:`rl_trainer.stages`).
 - :mod:`~rl_trainer.phases.eval`: evaluation, called by the RL phase on schedule.
 """
@@ -13,6 +14,12 @@ module here and an entry in :data:`PHASES`, not a branch in the driver.
 from rl_trainer.phases import rl, sft
 
 PHASES = (sft.run, rl.run)
-"""The phases a training run goes through, in order."""
+"""The phases a training run (``mode: rl``) goes through, in order."""
 
-__all__ = ["PHASES"]
+
+def phases_for(mode: str) -> tuple:
+    """The phases of a run in ``mode``: ``rl`` (SFT warm-up, RL) or ``sft`` (SFT only)."""
+    return PHASES if mode == "rl" else (sft.run,)
+
+
+__all__ = ["PHASES", "phases_for"]

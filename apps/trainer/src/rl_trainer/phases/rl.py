@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_trainer import routing, samples, stages
+from rl_trainer import routing, samples, stages, truncation
 from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
 from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
@@ -80,14 +80,18 @@ async def start(trainer: Trainer) -> bool:
     and evaluate at step 0 (once per run); ``True`` when a signal stopped the run."""
     cfg, runtime = trainer.config, trainer.runtime
     start_path = trainer.rl_start_path()
-    temperature = cfg.rollout.sampling.temperature or 1.0
-    trainer.policy = build_policy(cfg, runtime, start_path, temperature=temperature)
+    # The policies score tokens under the distribution the rollout samples from: its
+    # temperature and, when it truncates, its top-p / top-k set (rl_trainer.truncation).
+    sampling = {
+        "temperature": cfg.rollout.sampling.temperature or 1.0,
+        **truncation.policy_overrides(cfg, cfg.policy),
+    }
+    truncation.check_generator(cfg)
+    trainer.policy = build_policy(cfg, runtime, start_path, **sampling)
     trainer.generator = await build_generator(cfg, runtime, start_path)
     routing.check_support(cfg.rollout.routing_replay, trainer.policy, trainer.generator)
     if cfg.algorithm.use_reference:
-        trainer.reference = build_policy(
-            cfg, runtime, start_path, role="reference", temperature=temperature
-        )
+        trainer.reference = build_policy(cfg, runtime, start_path, role="reference", **sampling)
     if cfg.critic is not None:
         trainer.critic = build_critic(cfg, runtime, start_path)
     trainer.transport, trainer.receiver = build_transports(cfg, runtime, start_path)

@@ -1,5 +1,7 @@
-"""The SFT warm-up: train the policy on the training labels, with its own learning rate and
-optimizer, then save its weights for the RL phase to start from."""
+"""The SFT phase: the warm-up (train the policy on the training labels, with its own learning
+rate and optimizer, then save its weights for the RL phase to start from) or, with
+``mode: sft``, a whole run on chat conversations (:mod:`rl_trainer.phases.chat_sft`: loss on
+assistant turns, ``eval/loss``, the final model) on the same loop, checkpoints and resume."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from rl_core.algorithms import SFTLoss
 from rl_core.errors import RLError
 from rl_core.types import Prompt, Rollout
 from rl_trainer.assembly import build_policy
+from rl_trainer.phases import chat_sft
 from rl_trainer.stages import plan_and_pack
 from rl_trainer.state import load_resumed_models
 
@@ -22,8 +25,10 @@ __all__ = ["run", "sft_rollouts", "sft_step"]
 
 
 async def run(trainer: Trainer) -> bool:
-    """Run the warm-up's remaining steps; ``True`` when a signal stopped the run."""
+    """Run the remaining SFT steps (the warm-up, or with ``mode: sft`` the whole run on chat
+    data, :mod:`rl_trainer.phases.chat_sft`); ``True`` when a signal stopped the run."""
     cfg = trainer.config
+    chat = cfg.mode == "sft"
     if trainer.state["sft_step"] >= cfg.sft.steps:
         return False
     overrides = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
@@ -31,18 +36,30 @@ async def run(trainer: Trainer) -> bool:
         cfg, trainer.runtime, trainer.parts.init_model_path, temperature=1.0, **overrides
     )
     load_resumed_models(trainer)
+    held_out = chat_sft.eval_rollouts(trainer) if chat else []
+    if chat and trainer.state["sft_step"] == 0 and chat_sft.eval_due(trainer):  # step 0
+        trainer.emit({"step": 0, "phase": "sft", **chat_sft.eval_loss(trainer, held_out)})
+    saved = False
     while trainer.state["sft_step"] < cfg.sft.steps:
-        trainer.emit(sft_step(trainer))
+        rec = chat_sft.step(trainer) if chat else sft_step(trainer)
+        if chat and chat_sft.eval_due(trainer):
+            rec.update(chat_sft.eval_loss(trainer, held_out))
+        trainer.emit(rec)
         # A checkpoint after the warm-up's last step is taken at the start of RL (the RL
         # phase): resuming there needs the RL phase's policy and optimizer.
-        if trainer.state["sft_step"] == cfg.sft.steps:
+        if trainer.state["sft_step"] == cfg.sft.steps and not chat:
             break
         saved = trainer.checkpoint_due()
         if saved:
             trainer.save()
-        if trainer.stop_requested:
+        if trainer.stop_requested and trainer.state["sft_step"] < cfg.sft.steps:
             await trainer.stop(saved=saved)
             return True
+    if chat:  # the run ends here: the final model, then the last checkpoint
+        trainer.policy.save(trainer.run_dir / "final_model", with_optimizer=False)
+        if not saved:
+            trainer.save()
+        return False
     tmp = trainer.run_dir / ".tmp-sft_model"
     trainer.policy.save(tmp, with_optimizer=False)
     if trainer.sft_model_path.exists():

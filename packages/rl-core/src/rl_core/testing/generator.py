@@ -40,6 +40,7 @@ import torch
 
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
+from rl_core.logprobs import truncate_logits
 from rl_core.testing._base import ConformanceSuite
 from rl_core.testing.fake_generator import FakeGenerator, InMemoryTransport
 from rl_core.types import (
@@ -323,10 +324,13 @@ class GeneratorConformance(ConformanceSuite):
     def test_logprobs_match_teacher_forcing(self, generator: Generator, prompts: list) -> None:
         """In one mixed batch (prompt lengths, greedy and sampled rows, temperatures, top-k/top-p),
         each log-prob equals ``log_softmax(logits / T)`` of a teacher-forced forward, before
-        truncation; greedy rows pick the argmax.
+        truncation, or, for a generator with ``truncated_logprobs``, renormalised over the
+        request's top-k/top-p set (:func:`rl_core.logprobs.truncate_logits`); greedy rows pick
+        the argmax.
 
         Troubleshooting: compute log-probs from the temperature-scaled logits *before* top-k/top-p
-        masking; use ``T = 1`` for greedy; with left padding, positions must count real tokens.
+        masking (or after it, declaring ``truncated_logprobs = True``); use ``T = 1`` for greedy;
+        with left padding, positions must count real tokens.
         """
         settings = [
             {"temperature": 0.0},
@@ -341,6 +345,11 @@ class GeneratorConformance(ConformanceSuite):
         for q, r in zip(reqs, _run(generator.generate(reqs))):
             ref_RV = self._scored(generator, q, r).float()
             ids_R = torch.tensor(r.output_ids, dtype=torch.long)
+            if type(generator).truncated_logprobs:
+                z_RV = truncate_logits(
+                    ref_RV, top_p=q.sampling.top_p, top_k=max(q.sampling.top_k, 0), keep_R=ids_R
+                )
+                ref_RV = torch.log_softmax(z_RV, dim=-1)
             want_R = ref_RV.gather(1, ids_R[:, None]).squeeze(1)
             got_R = torch.tensor(r.output_logprobs)
             torch.testing.assert_close(got_R, want_R, atol=self.logprob_atol, rtol=0)
