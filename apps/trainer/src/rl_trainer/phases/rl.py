@@ -26,6 +26,7 @@ from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.state import load_resumed_models
+from rl_trainer.teacher import build_teacher
 
 if TYPE_CHECKING:
     from rl_trainer.loop import Trainer
@@ -88,6 +89,7 @@ async def start(trainer: Trainer) -> bool:
         trainer.reference = build_policy(
             cfg, runtime, start_path, role="reference", temperature=temperature
         )
+    trainer.teacher = build_teacher(cfg, runtime, temperature=temperature)
     if cfg.critic is not None:
         trainer.critic = build_critic(cfg, runtime, start_path)
     trainer.transport, trainer.receiver = build_transports(cfg, runtime, start_path)
