@@ -224,7 +224,7 @@ class TeacherConfig:
         elif self.path is None:
             raise ConfigError(
                 f"teacher.path: a teacher of type {self.type!r} needs its model directory; "
-                "set teacher.path."
+                "set teacher.path (e.g. --set teacher.path=runs/opd_teacher/final_model)."
             )
         if self.coef == 0 and self.reward_weight == 0:
             raise ConfigError(
