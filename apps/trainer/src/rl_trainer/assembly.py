@@ -100,6 +100,10 @@ def assemble(cfg: TrainerConfig) -> Components:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     buffer = registry.build("buffer", cfg.buffer, field="buffer")
     validate_backends(cfg, model_path)
+    if cfg.teacher is not None:
+        from rl_trainer.teacher import check_teacher_tokenizer
+
+        check_teacher_tokenizer(cfg.teacher, tokenizer)
     if cfg.runtime.type == "ray":
         from rl_trainer.ray import check_ray_config
 

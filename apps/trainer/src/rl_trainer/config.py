@@ -53,6 +53,7 @@ __all__ = [
     "RuntimeConfig",
     "SFTConfig",
     "SamplingConfig",
+    "TeacherConfig",
     "TrainerConfig",
     "WandbConfig",
     "load_trainer_config",
@@ -175,6 +176,61 @@ class AlgorithmConfig:
     value_loss: dict[str, Any] = field(default_factory=dict)
     """Options of the critic's :class:`rl_core.algorithms.ValueLoss` (``clip``); used with
     ``critic``."""
+
+
+_TEACHER_HINT = (
+    "teacher.path is a local model directory with the student's tokenizer; a teacher trained "
+    "on the demo task is written by `rl-train run demo` (runs/demo/final_model)."
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class TeacherConfig:
+    """On-policy distillation (OPD): a frozen teacher scores the tokens the student sampled, and
+    the per-token reverse KL ``logp_student - logp_teacher`` is subtracted from the advantage
+    (``A_t = reward_weight * A_task_t - coef * (logp_student_t - logp_teacher_t)``, as slime
+    and Tinker do). The teacher must share the student's tokenizer. See
+    :mod:`rl_trainer.teacher`."""
+
+    type: str = "hf"
+    """Teacher backend: a policy backend by registry name (``hf``: the transformers reference
+    backend; ``megatron``), built frozen from ``path`` (log-probs only, no optimizer steps); or
+    ``sglang``: an SGLang server at ``url`` scoring given tokens through its log-prob API."""
+    path: Annotated[str, InputPath(hint=_TEACHER_HINT)] | None = None
+    """The teacher's model directory (``hf``, ``megatron``; with ``sglang`` optional: its
+    tokenizer is checked against the student's when given)."""
+    url: str | None = None
+    """``sglang``: the server (or router) URL, e.g. ``http://127.0.0.1:30000``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Backend options: the policy backend's ``Config`` fields (``dtype``, ``device``, ...) or
+    :class:`rl_sglang.teacher.SGLangTeacher`'s (``timeout_s``, ``max_retries``, ...)."""
+    coef: NonNegFloat = 1.0
+    """Weight of the reverse-KL term in the advantage."""
+    reward_weight: NonNegFloat = 0.0
+    """Weight of the task advantage (from the reward) in the advantage; 0 is pure
+    distillation, > 0 mixes the teacher's signal with the task reward."""
+    student_logprobs: Literal["policy", "rollout"] = "policy"
+    """The student log-probs of the reverse KL: ``policy`` recomputes them with the trained
+    policy (exact, one more forward; they also serve as the old log-probs); ``rollout`` uses
+    the engine's sampling log-probs (no forward; off by the engine/trainer mismatch)."""
+
+    def __post_init__(self) -> None:
+        if self.type == "sglang":
+            if not self.url:
+                raise ConfigError(
+                    "teacher.url: a teacher of type 'sglang' needs the server URL "
+                    "(e.g. http://127.0.0.1:30000)."
+                )
+        elif self.path is None:
+            raise ConfigError(
+                f"teacher.path: a teacher of type {self.type!r} needs its model directory; "
+                "set teacher.path (e.g. --set teacher.path=runs/opd_teacher/final_model)."
+            )
+        if self.coef == 0 and self.reward_weight == 0:
+            raise ConfigError(
+                "teacher.coef and teacher.reward_weight are both 0: the advantage would be 0; "
+                "set teacher.coef > 0 (distillation) and/or teacher.reward_weight > 0."
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -464,6 +520,9 @@ class TrainerConfig:
     """The rollout engine backend."""
     weight_transport: ComponentSpec = field(default_factory=lambda: ComponentSpec(type="inprocess"))
     """How weights reach the generator."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: a frozen teacher whose per-token reverse KL to the student is
+    the advantage (alone or mixed with the task reward); ``None``: off."""
     critic: ComponentSpec | None = None
     """A value model for PPO with a critic (``{type: hf, lr: 1e-4}``), built from the RL start
     weights with a fresh value head; needs ``algorithm.advantage: gae``."""

@@ -85,6 +85,8 @@ class Trainer:
         self.policy: Any = None
         self.generator: Any = None
         self.reference: Any = None
+        self.teacher: Any = None
+        """The frozen distillation teacher (``teacher``; :mod:`rl_trainer.teacher`)."""
         self.critic: Any = None
         self.transport: Any = None
         self.receiver: Any = None

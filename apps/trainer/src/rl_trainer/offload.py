@@ -74,9 +74,12 @@ class Handover:
         """Whether the step runs the hand-over."""
 
     def models(self) -> list[Any]:
-        """The offloadable models of the run: policy, critic and reference."""
+        """The offloadable models of the run: policy, critic, reference and a teacher that
+        lives in this process's memory (an SGLang teacher is a server: not moved)."""
         t = self.trainer
-        return [m for m in (t.policy, t.critic, t.reference) if m is not None]
+        teacher = getattr(t, "teacher", None)
+        teacher = teacher if hasattr(teacher, "offload") else None
+        return [m for m in (t.policy, t.critic, t.reference, teacher) if m is not None]
 
     def measure(self, phase: str, record: dict[str, Any]) -> None:
         """Add ``memory/<phase>_bytes`` and ``memory/<phase>_rss_bytes`` to ``record``."""

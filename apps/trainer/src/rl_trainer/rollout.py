@@ -453,7 +453,14 @@ class Scorer:
         return scalar, info
 
     async def score(self, groups: Sequence[Group], stats: RolloutStats) -> None:
-        """Fill ``reward`` and ``reward_info`` of every rollout of ``groups`` in place."""
+        """Fill ``reward`` and ``reward_info`` of every rollout of ``groups`` in place.
+
+        Every rollout's reward call starts before any is awaited (synchronous rewards run in
+        rollout order), so async rewards of a round run concurrently and a batching reward
+        (:class:`rl_hf.reward_model.RewardModel`) scores the whole round in few forwards; group
+        rewards run after, group by group."""
+        texts_of: list[dict[int, str]] = []
+        calls = []
         for g in groups:
             texts: dict[int, str] = {}
             for r in g.rollouts:
@@ -462,17 +469,24 @@ class Scorer:
                     continue
                 text = self.tokenizer.decode(list(r.response_ids), skip_special_tokens=True)
                 texts[id(r)] = text
-                if self.reward_fn is None:
-                    continue
-                try:
-                    value = self.reward_fn(g.prompt, text, r)
-                    if inspect.isawaitable(value):
-                        value = await value
-                    r.reward, r.reward_info = self._to_scalar(value)
-                except Exception as e:  # a user reward must never crash the step
-                    self._fail([r], FailureReasons.REWARD_ERROR, e, stats)
-            if self.group_reward_fn is not None:
+                if self.reward_fn is not None:
+                    calls.append(self._score_one(g, r, text, stats))
+            texts_of.append(texts)
+        await asyncio.gather(*calls)
+        if self.group_reward_fn is not None:
+            for g, texts in zip(groups, texts_of, strict=True):
                 await self._score_group(g, texts, stats)
+
+    async def _score_one(self, g: Group, r: Rollout, text: str, stats: RolloutStats) -> None:
+        """Score one rollout with the reward function (failures marked and counted)."""
+        assert self.reward_fn is not None
+        try:
+            value = self.reward_fn(g.prompt, text, r)
+            if inspect.isawaitable(value):
+                value = await value
+            r.reward, r.reward_info = self._to_scalar(value)
+        except Exception as e:  # a user reward must never crash the step
+            self._fail([r], FailureReasons.REWARD_ERROR, e, stats)
 
     def _fail(self, rs: Sequence[Rollout], error_reason: str, e: Exception, stats: RolloutStats):
         """Mark ``rs`` failed: ``<component>_invalid`` when the value was wrong, else

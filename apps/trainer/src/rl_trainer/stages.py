@@ -29,7 +29,7 @@ from rl_core.algorithms import compute_loss_weights
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.errors import RLError
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
-from rl_trainer import routing
+from rl_trainer import routing, teacher
 from rl_trainer.build import component_name
 from rl_trainer.failures import exhausted_error
 from rl_trainer.pipeline import Weights
@@ -334,9 +334,13 @@ def _episode_advantages(
     return out
 
 
-def rl_batch(run: Trainer, groups: Sequence[Group]) -> TrainBatch:
+def rl_batch(
+    run: Trainer, groups: Sequence[Group], metrics: dict[str, Any] | None = None
+) -> TrainBatch:
     """The packed training batch of ``groups``: planned and packed, then critic values,
-    advantages (and returns), loss weights, reference and old log-probs."""
+    advantages (and returns), loss weights, reference and old log-probs, and with a teacher
+    the distillation-shaped advantages (:mod:`rl_trainer.teacher`); stage metrics go into
+    ``metrics`` when given."""
     cfg = run.config
     alg = cfg.algorithm
     policy = run.policy
@@ -371,12 +375,16 @@ def rl_batch(run: Trainer, groups: Sequence[Group]) -> TrainBatch:
         batch.ref_logprobs = run.reference.compute_logprobs(
             routing.for_policy(batch, mode)
         ).logprobs
+    if getattr(run, "teacher", None) is not None:
+        distill_metrics = teacher.distill(run, batch)
+        if metrics is not None:
+            metrics.update(distill_metrics)
     # One optimizer step per batch: the policy before the step is the current one, so old
     # log-probs equal the live ones and the loss uses those (detached); no extra forward.
     # Tokens sampled by an older policy (stale rounds, surplus groups the dynamic sampler
     # carries over) differ from it as the behaviour policy: `train/mismatch` measures that
     # against the rollout log-probs and `algorithm.loss.correction: tis` corrects it.
-    if alg.recompute_old_logprobs:
+    if alg.recompute_old_logprobs and batch.old_logprobs is None:
         batch.old_logprobs = policy.compute_logprobs(routing.for_policy(batch, mode)).logprobs
     return batch
 
@@ -387,7 +395,8 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
     policy (and the critic); returns the train metrics. Torch only: in async mode it runs in
     the trainer thread."""
     t0 = time.perf_counter()
-    batch = rl_batch(run, groups)
+    stage_record: dict[str, Any] = {}
+    batch = rl_batch(run, groups, stage_record)
     rcfg = run.config.rollout
     routing_record: dict[str, float] = {}
     if rcfg.routing_replay != "off":
@@ -420,6 +429,7 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
         if k in m:
             record[f"train/{k}"] = m[k]
     record.update(critic_record)
+    record.update(stage_record)
     # The global batch varies when a rollout function returns several samples per episode.
     record["train/samples"] = sum(len(g.rollouts) for g in groups)
     record["train/episodes"] = len(

@@ -26,6 +26,7 @@ from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline, Weights
 from rl_trainer.state import load_resumed_models
+from rl_trainer.teacher import build_teacher
 
 if TYPE_CHECKING:
     from rl_trainer.loop import Trainer
@@ -92,6 +93,7 @@ async def start(trainer: Trainer) -> bool:
     routing.check_support(cfg.rollout.routing_replay, trainer.policy, trainer.generator)
     if cfg.algorithm.use_reference:
         trainer.reference = build_policy(cfg, runtime, start_path, role="reference", **sampling)
+    trainer.teacher = build_teacher(cfg, runtime, temperature=sampling["temperature"])
     if cfg.critic is not None:
         trainer.critic = build_critic(cfg, runtime, start_path)
     trainer.transport, trainer.receiver = build_transports(cfg, runtime, start_path)
