@@ -91,6 +91,44 @@ def test_routing_covers_every_token_and_equals_hf_router(
         mismatches.append(routing_mismatch(r_SLK[:-1], hf_SLK[:-1]))
     print(f"routing mismatch SGLang-CPU vs HF router per request: {mismatches}")
     assert max(mismatches) == 0.0
+    # The engine serves the model itself, not only its routers: the sampled tokens' log-probs
+    # equal transformers' (an untied lm_head the engine left at random init was 4.6 nats off).
+    diffs = []
+    for req, res in zip(reqs, results):
+        tokens = torch.tensor([list(req.input_ids + res.output_ids)])
+        with torch.no_grad():
+            logp_SV = torch.log_softmax(hf(tokens).logits[0].float(), -1)
+        p, out = len(req.input_ids), torch.tensor(res.output_ids)
+        hf_R = logp_SV[p - 1 : p - 1 + len(out)].gather(-1, out[:, None])[:, 0]
+        diffs.append(float((hf_R - torch.tensor(res.output_logprobs)).abs().max()))
+    print(f"max |logp SGLang-CPU - HF| per request: {diffs}")
+    assert max(diffs) < 1e-3
+
+
+def test_tied_qwen_moe_checkpoint_is_refused(tmp_path: Path) -> None:
+    """SGLang 0.5.23 never ties the Qwen-MoE lm_head: a tied checkpoint is refused up front
+    with the field and the fix; an untied one (and a dense tied model) passes."""
+    import json
+
+    from rl_core.errors import ConfigError
+    from rl_sglang._routing import check_servable
+
+    def model(**cfg) -> Path:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    with pytest.raises(ConfigError, match=r"model_path.*tie_word_embeddings=false"):
+        check_servable(model(model_type="qwen3_moe", tie_word_embeddings=True))
+    check_servable(model(model_type="qwen3_moe", tie_word_embeddings=False))
+    check_servable(model(model_type="qwen2", tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="qwen3_moe"):
+        SGLangGenerator(
+            SGLangGenerator.Config(
+                model_path=str(model(model_type="qwen3_moe", tie_word_embeddings=True))
+            )
+        )
 
 
 def test_prefix_cached_prompt_tokens_keep_their_routing(moe_gen: SGLangGenerator) -> None:

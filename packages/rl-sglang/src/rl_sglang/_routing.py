@@ -22,9 +22,36 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rl_core.errors import ConfigError
 from rl_core.routing import RoutingShape, pad_routing
 
-__all__ = ["RoutingLayout", "decode_routing"]
+__all__ = ["RoutingLayout", "check_servable", "decode_routing"]
+
+# SGLang 0.5.23's model classes for these families build their own ``lm_head`` and never tie it
+# to ``embed_tokens`` (sglang/srt/models/qwen3_moe.py, qwen2_moe.py): a checkpoint saved with
+# ``tie_word_embeddings: true`` has no ``lm_head.weight``, so the served head stays at its
+# random initialisation (found serving moe_demo: routing equal to the trainer's on every
+# (token, layer), log-probs 4.6 nats apart). Real Qwen-MoE checkpoints are untied.
+_UNTIED_ONLY = ("qwen3_moe", "qwen2_moe")
+
+
+def check_servable(model_dir: Path) -> None:
+    """Refuse a checkpoint SGLang 0.5.23 would serve wrongly: a Qwen-MoE family model with
+    tied input and output embeddings (see ``_UNTIED_ONLY``). Unreadable configs pass (the
+    server reports them)."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    cfg = cfg.get("text_config", cfg)
+    kind = cfg.get("model_type")
+    if kind in _UNTIED_ONLY and cfg.get("tie_word_embeddings"):
+        raise ConfigError(
+            f"SGLangGenerator.Config.model_path: {model_dir}/config.json is a {kind} model with "
+            "tie_word_embeddings: true, which SGLang 0.5.23 serves with an untrained lm_head "
+            "(its Qwen-MoE classes never tie it). Save the checkpoint untied (for rl-train's "
+            "tiny models: model.init.tie_word_embeddings=false) or use the reference generator."
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ from rl_sglang._launch import (
 )
 from rl_sglang._lora import _LoRAMixin
 from rl_sglang._requests import _RequestsMixin
-from rl_sglang._routing import RoutingLayout
+from rl_sglang._routing import RoutingLayout, check_servable
 from rl_sglang._state import PAUSE_MODES, _Live, _Server
 from rl_sglang._weights import _WeightsMixin
 from rl_sglang.server import (
@@ -327,6 +327,7 @@ class SGLangGenerator(
         self.routing_layout: RoutingLayout | None = None
         """Where the served model's MoE layers are (``None``: a dense model)."""
         if self.owned:
+            check_servable(Path(c.model_path))
             self.routing_layout = RoutingLayout.from_model_dir(Path(c.model_path))
             if c.capture_routing and self.routing_layout is None:
                 raise ConfigError(
