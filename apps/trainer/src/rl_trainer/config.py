@@ -195,8 +195,18 @@ class RLConfig:
     """The RL phase."""
 
     steps: NonNegInt = 100
-    """RL steps (one rollout batch and one optimizer step each); 0 runs only the ``sft``
-    warm-up (a run needs at least one step of either)."""
+    """RL steps (one rollout batch each, ``ppo_epochs * mini_batches_per_step`` optimizer
+    steps); 0 runs only the ``sft`` warm-up (a run needs at least one step of either)."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over each rollout batch (PPO epochs). Above 1 (or with several mini-batches) the
+    old log-probs are computed once before the first update and the importance ratio and
+    clipping act in the later ones (``train/pg_clipfrac`` is their mean)."""
+    mini_batches_per_step: PositiveInt = 1
+    """Mini-batches each rollout batch is split into, by whole groups (prompts), each one
+    optimizer step of the policy (and the critic) per epoch; the loss aggregation is computed
+    per mini-batch. The policy version advances ``ppo_epochs * mini_batches_per_step`` per RL
+    step; ``max_staleness`` and ``mask_older_than`` count RL steps. Needs
+    ``rollout.prompts_per_step`` to be a multiple of it."""
     max_tokens_per_micro_batch: PositiveInt = 4096
     """Token cap of one micro-batch."""
     async_generation: bool = False
@@ -206,14 +216,15 @@ class RLConfig:
     only (no request is cut short), so runs stay reproducible and resume exactly. Off: generate,
     then train, step by step."""
     max_staleness: NonNegInt = 1
-    """How many policy versions older than the policy being trained a rollout token may be;
-    older groups are never trained on (dropped before they reach the buffer, counted in
+    """How many policy versions older than the policy being trained a rollout token may be,
+    counted in RL steps (``rl.updates_per_step`` versions each when a step takes several
+    optimizer steps); older groups are never trained on (dropped before they reach the buffer, counted in
     ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
     ahead; 0 reproduces the synchronous run exactly. In the synchronous loop only surplus
     groups carried over by dynamic sampling can be stale (by one version)."""
     mask_older_than: NonNegInt | None = None
-    """Zero the loss on response tokens more than this many versions older than the policy
-    being trained (they still count in their group's advantage baseline); ``None`` trains on
+    """Zero the loss on response tokens more than this many versions (RL steps, as for
+    ``max_staleness``) older than the policy being trained (they still count in their group's advantage baseline); ``None`` trains on
     every token within ``max_staleness``. Off-policy tokens can instead be reweighted with
     ``algorithm.loss.correction: tis``."""
     partial_rollouts: bool = False
@@ -225,6 +236,11 @@ class RLConfig:
     ``rl.mask_older_than``, or reweight it with ``algorithm.loss.correction: tis``. Needs the
     default single-turn generation (no ``rollout.generate_fn``) and a generator that supports
     abort. Where an abort lands depends on timing, so runs are not bit-reproducible."""
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps (policy versions) per RL step: ``ppo_epochs * mini_batches_per_step``."""
+        return self.ppo_epochs * self.mini_batches_per_step
 
 
 @dataclass(kw_only=True, slots=True)
@@ -524,6 +540,12 @@ def load_trainer_config(
         raise ConfigError(
             "rl.partial_rollouts: resumes the default single-turn requests only; remove "
             "rollout.generate_fn or turn partial_rollouts off."
+        )
+    if cfg.rollout.prompts_per_step % cfg.rl.mini_batches_per_step:
+        raise ConfigError(
+            f"rl.mini_batches_per_step: {cfg.rl.mini_batches_per_step} does not divide "
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}); mini-batches are whole "
+            "groups, so choose a divisor."
         )
     _check_eval(cfg.eval)
     if cfg.algorithm.advantage == "gae" and cfg.critic is None:
