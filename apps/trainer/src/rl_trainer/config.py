@@ -36,6 +36,7 @@ from rl_core.config import (
 )
 from rl_core.errors import ConfigError
 from rl_core.locations import absolute_path
+from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import SamplingParams
 
 __all__ = [
@@ -130,6 +131,12 @@ class RolloutConfig:
     """Group filters (dynamic sampling); dropped groups are replaced by over-sampling."""
     over_sampling_factor: Annotated[float, Range(ge=1)] = 1.0
     """With filters: ask for this many times the prompts the observed keep rate suggests."""
+    overlong_penalty: OverlongPenalty.Config | None = None
+    """DAPO's soft overlong punishment added to every training rollout's reward before the
+    filters see it (``{band: 4, max_length: 12, coef: 1.0}``; ``max_length`` defaults to
+    ``sampling.max_new_tokens``): 0 up to ``max_length - band`` response tokens, then linearly
+    down to ``-coef`` at ``max_length`` (:mod:`rl_core.rewards.shaping`); logged as
+    ``rollout/overlong_penalty_mean``. ``None``: off. Eval rewards are never shaped."""
     max_rounds: PositiveInt = 8
     """Generation rounds per step at most when filters drop groups (then the run stops with an
     error naming the filters)."""
@@ -546,6 +553,14 @@ def load_trainer_config(
             f"rl.mini_batches_per_step: {cfg.rl.mini_batches_per_step} does not divide "
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}); mini-batches are whole "
             "groups, so choose a divisor."
+        )
+    overlong = cfg.rollout.overlong_penalty
+    max_new = cfg.rollout.sampling.max_new_tokens
+    if overlong is not None and overlong.max_length is None and overlong.band > max_new:
+        raise ConfigError(
+            f"rollout.overlong_penalty.band: {overlong.band} exceeds "
+            f"rollout.sampling.max_new_tokens ({max_new}), the default max_length; lower the "
+            "band or set overlong_penalty.max_length."
         )
     _check_eval(cfg.eval)
     if cfg.algorithm.advantage == "gae" and cfg.critic is None:

@@ -29,6 +29,7 @@ from rl_buffer.balance import schedule_step
 from rl_core.algorithms import compute_loss_weights
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.errors import RLError
+from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer import ppo_updates, routing
 from rl_trainer.build import component_name
@@ -140,6 +141,7 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
         gen_time += time.perf_counter() - t0
         gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
         await parts.scorer.score(groups, round_stats)
+        _shape_rewards(run, groups)
         scored.extend(r for g in groups for r in g.rollouts)
         # Failed rollouts leave their group (groups may be uneven); the filters see the rest.
         for f in parts.filters:
@@ -171,6 +173,15 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
         record["rollout/partial_resumed"] = partial.resumed
         record["rollout/partial_resumed_tokens"] = partial.resumed_tokens
     return record
+
+
+def _shape_rewards(run: Trainer, groups: Sequence[Group]) -> None:
+    """Reward shaping of training rollouts (``rollout.overlong_penalty``), before filters."""
+    cfg = run.config.rollout
+    if cfg.overlong_penalty is None:
+        return
+    shaping = OverlongPenalty(cfg.overlong_penalty, max_length=cfg.sampling.max_new_tokens)
+    shaping.apply(r for g in groups for r in g.rollouts)
 
 
 def round_metrics(
