@@ -224,8 +224,8 @@ class RLConfig:
     then train, step by step."""
     max_staleness: NonNegInt = 1
     """How many policy versions older than the policy being trained a rollout token may be,
-    counted in RL steps (``rl.updates_per_step`` versions each when a step takes several
-    optimizer steps); older groups are never trained on (dropped before they reach the buffer, counted in
+    counted in RL steps (``ppo_epochs * mini_batches_per_step`` versions each when a step
+    takes several optimizer steps); older groups are never trained on (dropped before they reach the buffer, counted in
     ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
     ahead; 0 reproduces the synchronous run exactly. In the synchronous loop only surplus
     groups carried over by dynamic sampling can be stale (by one version)."""
