@@ -178,7 +178,9 @@ class AlgorithmConfig:
     """Keep a frozen copy of the initial policy for a KL loss (needs ``loss.kl_coef`` > 0)."""
     recompute_old_logprobs: bool = False
     """Run a separate forward for old log-probs even when the data is on-policy (one optimizer
-    step per rollout batch makes them equal to the current ones, so the default skips it)."""
+    step per rollout batch makes them equal to the current ones, so the default skips it).
+    Several updates per batch (``rl.ppo_epochs``, ``rl.mini_batches_per_step``) always compute
+    them."""
     value_loss: dict[str, Any] = field(default_factory=dict)
     """Options of the critic's :class:`rl_core.algorithms.ValueLoss` (``clip``); used with
     ``critic``."""
@@ -225,8 +227,8 @@ class RLConfig:
     max_staleness: NonNegInt = 1
     """How many policy versions older than the policy being trained a rollout token may be,
     counted in RL steps (``ppo_epochs * mini_batches_per_step`` versions each when a step
-    takes several optimizer steps); older groups are never trained on (dropped before they reach the buffer, counted in
-    ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
+    takes several optimizer steps); older groups are never trained on (dropped before they
+    reach the buffer, counted in ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
     ahead; 0 reproduces the synchronous run exactly. In the synchronous loop only surplus
     groups carried over by dynamic sampling can be stale (by one version)."""
     mask_older_than: NonNegInt | None = None
