@@ -36,6 +36,7 @@ from rl_core.config import (
 )
 from rl_core.errors import ConfigError
 from rl_core.locations import absolute_path
+from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import SamplingParams
 
 __all__ = [
@@ -131,6 +132,12 @@ class RolloutConfig:
     """Group filters (dynamic sampling); dropped groups are replaced by over-sampling."""
     over_sampling_factor: Annotated[float, Range(ge=1)] = 1.0
     """With filters: ask for this many times the prompts the observed keep rate suggests."""
+    overlong_penalty: OverlongPenalty.Config | None = None
+    """DAPO's soft overlong punishment added to every training rollout's reward before the
+    filters see it (``{band: 4, max_length: 12, coef: 1.0}``; ``max_length`` defaults to
+    ``sampling.max_new_tokens``): 0 up to ``max_length - band`` response tokens, then linearly
+    down to ``-coef`` at ``max_length`` (:mod:`rl_core.rewards.shaping`); logged as
+    ``rollout/overlong_penalty_mean``. ``None``: off. Eval rewards are never shaped."""
     max_rounds: PositiveInt = 8
     """Generation rounds per step at most when filters drop groups (then the run stops with an
     error naming the filters)."""
@@ -172,7 +179,9 @@ class AlgorithmConfig:
     """Keep a frozen copy of the initial policy for a KL loss (needs ``loss.kl_coef`` > 0)."""
     recompute_old_logprobs: bool = False
     """Run a separate forward for old log-probs even when the data is on-policy (one optimizer
-    step per rollout batch makes them equal to the current ones, so the default skips it)."""
+    step per rollout batch makes them equal to the current ones, so the default skips it).
+    Several updates per batch (``rl.ppo_epochs``, ``rl.mini_batches_per_step``) always compute
+    them."""
     value_loss: dict[str, Any] = field(default_factory=dict)
     """Options of the critic's :class:`rl_core.algorithms.ValueLoss` (``clip``); used with
     ``critic``."""
@@ -251,8 +260,18 @@ class RLConfig:
     """The RL phase."""
 
     steps: NonNegInt = 100
-    """RL steps (one rollout batch and one optimizer step each); 0 runs only the ``sft``
-    warm-up (a run needs at least one step of either)."""
+    """RL steps (one rollout batch each, ``ppo_epochs * mini_batches_per_step`` optimizer
+    steps); 0 runs only the ``sft`` warm-up (a run needs at least one step of either)."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over each rollout batch (PPO epochs). Above 1 (or with several mini-batches) the
+    old log-probs are computed once before the first update and the importance ratio and
+    clipping act in the later ones (``train/pg_clipfrac`` is their mean)."""
+    mini_batches_per_step: PositiveInt = 1
+    """Mini-batches each rollout batch is split into, by whole groups (prompts), each one
+    optimizer step of the policy (and the critic) per epoch; the loss aggregation is computed
+    per mini-batch. The policy version advances ``ppo_epochs * mini_batches_per_step`` per RL
+    step; ``max_staleness`` and ``mask_older_than`` count RL steps. Needs
+    ``rollout.prompts_per_step`` to be a multiple of it."""
     max_tokens_per_micro_batch: PositiveInt = 4096
     """Token cap of one micro-batch."""
     async_generation: bool = False
@@ -262,14 +281,15 @@ class RLConfig:
     only (no request is cut short), so runs stay reproducible and resume exactly. Off: generate,
     then train, step by step."""
     max_staleness: NonNegInt = 1
-    """How many policy versions older than the policy being trained a rollout token may be;
-    older groups are never trained on (dropped before they reach the buffer, counted in
-    ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
+    """How many policy versions older than the policy being trained a rollout token may be,
+    counted in RL steps (``ppo_epochs * mini_batches_per_step`` versions each when a step
+    takes several optimizer steps); older groups are never trained on (dropped before they
+    reach the buffer, counted in ``rollout/stale_dropped``). With ``async_generation`` it is also how far generation runs
     ahead; 0 reproduces the synchronous run exactly. In the synchronous loop only surplus
     groups carried over by dynamic sampling can be stale (by one version)."""
     mask_older_than: NonNegInt | None = None
-    """Zero the loss on response tokens more than this many versions older than the policy
-    being trained (they still count in their group's advantage baseline); ``None`` trains on
+    """Zero the loss on response tokens more than this many versions (RL steps, as for
+    ``max_staleness``) older than the policy being trained (they still count in their group's advantage baseline); ``None`` trains on
     every token within ``max_staleness``. Off-policy tokens can instead be reweighted with
     ``algorithm.loss.correction: tis``."""
     partial_rollouts: bool = False
@@ -281,6 +301,11 @@ class RLConfig:
     ``rl.mask_older_than``, or reweight it with ``algorithm.loss.correction: tis``. Needs the
     default single-turn generation (no ``rollout.generate_fn``) and a generator that supports
     abort. Where an abort lands depends on timing, so runs are not bit-reproducible."""
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps (policy versions) per RL step: ``ppo_epochs * mini_batches_per_step``."""
+        return self.ppo_epochs * self.mini_batches_per_step
 
 
 @dataclass(kw_only=True, slots=True)
@@ -594,6 +619,20 @@ def load_trainer_config(
         raise ConfigError(
             "rl.partial_rollouts: resumes the default single-turn requests only; remove "
             "rollout.generate_fn or turn partial_rollouts off."
+        )
+    if cfg.rollout.prompts_per_step % cfg.rl.mini_batches_per_step:
+        raise ConfigError(
+            f"rl.mini_batches_per_step: {cfg.rl.mini_batches_per_step} does not divide "
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}); mini-batches are whole "
+            "groups, so choose a divisor."
+        )
+    overlong = cfg.rollout.overlong_penalty
+    max_new = cfg.rollout.sampling.max_new_tokens
+    if overlong is not None and overlong.max_length is None and overlong.band > max_new:
+        raise ConfigError(
+            f"rollout.overlong_penalty.band: {overlong.band} exceeds "
+            f"rollout.sampling.max_new_tokens ({max_new}), the default max_length; lower the "
+            "band or set overlong_penalty.max_length."
         )
     _check_eval(cfg.eval)
     if cfg.algorithm.advantage == "gae" and cfg.critic is None:

@@ -145,8 +145,9 @@ class Trainer:
         return str(self.sft_model_path) if self.config.sft.steps > 0 else self.init_model_path
 
     def train_version(self, step: int) -> int:
-        """The policy version that trains RL step ``step`` (one optimizer step per RL step)."""
-        return self.first_version + step - 1
+        """The policy version that trains RL step ``step``: each RL step takes
+        ``rl.updates_per_step`` optimizer steps (one by default), each a version."""
+        return self.first_version + (step - 1) * self.config.rl.updates_per_step
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """Sample and score every eval set due at ``step`` (:func:`rl_trainer.phases.eval.evaluate`)."""

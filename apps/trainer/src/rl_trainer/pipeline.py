@@ -60,7 +60,9 @@ class RolloutPipeline:
     ``produce(step)`` generates and scores the groups of ``step``, puts them into the buffer and
     returns the round's metrics. ``serve(version, weights)`` brings the generator to ``version``
     (``weights`` is the released copy, or ``None`` when the live policy holds exactly that
-    version and is idle). ``first_version`` is the policy version at RL step 0.
+    version and is idle). ``first_version`` is the policy version at RL step 0; each RL step
+    advances it by ``versions_per_step`` (its optimizer steps), and ``max_staleness`` counts
+    RL steps.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class RolloutPipeline:
         max_staleness: int,
         first_version: int,
         last_step: int,
+        versions_per_step: int = 1,
         next_step: int,
         released: int,
         ready: Mapping[int, dict[str, Any]] | None = None,
@@ -79,6 +82,7 @@ class RolloutPipeline:
         self.serve = serve
         self.max_staleness = max_staleness
         self.first_version = first_version
+        self.versions_per_step = versions_per_step
         self.last_step = last_step
         self._ready: dict[int, dict[str, Any]] = dict(ready or {})
         self._next = next_step + len(self._ready)
@@ -91,7 +95,8 @@ class RolloutPipeline:
 
     def needed_version(self, step: int) -> int:
         """The weight version the generator serves for the round of ``step``."""
-        return max(self.first_version, self.first_version + step - 1 - self.max_staleness)
+        behind = max(0, step - 1 - self.max_staleness)
+        return self.first_version + behind * self.versions_per_step
 
     # ----------------------------------------------------------------------------- producer
     def start(self) -> None:
@@ -172,7 +177,8 @@ class RolloutPipeline:
         """Wait until every round that needs a version below ``version`` is produced and the
         producer waits for ``version`` (call before ``release(version)``): the generator is idle
         and the buffer holds whole rounds only."""
-        last = min(self.last_step, version - self.first_version + self.max_staleness)
+        trained = (version - self.first_version) // self.versions_per_step
+        last = min(self.last_step, trained + self.max_staleness)
         async with self._cond:
             await self._cond.wait_for(
                 lambda: self._check() or (self._next > last and not self._producing)

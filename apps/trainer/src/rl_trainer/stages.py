@@ -6,7 +6,8 @@
     plan_and_pack   FLOPs-balanced order, micro-batch and data-parallel bounds, packed batch
     rl_batch        + critic values -> rewards and advantages (GAE returns), loss weights,
                     reference / old log-probs
-    train           policy.train_step (+ critic.train_step)                + train metrics
+    train           policy.train_step (+ critic.train_step), once or per   + train metrics
+                    PPO epoch and mini-batch (:mod:`rl_trainer.ppo_updates`)
     publish         transport.publish -> generator.update_weights          (checked version)
 
 The pure stages take their inputs as arguments; the ones that drive the run's components
@@ -28,8 +29,9 @@ from rl_buffer.balance import schedule_step
 from rl_core.algorithms import compute_loss_weights
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.errors import RLError
+from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
-from rl_trainer import routing, teacher
+from rl_trainer import ppo_updates, routing, teacher
 from rl_trainer.build import component_name
 from rl_trainer.failures import exhausted_error
 from rl_trainer.pipeline import Weights
@@ -107,7 +109,10 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
     sampler = parts.sampler
     stats = RolloutStats()
     scored: list[Rollout] = []
-    stale = sampler.drop_older_than(run.train_version(step) - run.config.rl.max_staleness)
+    rl = run.config.rl
+    stale = sampler.drop_older_than(
+        run.train_version(step) - rl.max_staleness * rl.updates_per_step
+    )
     gen_tokens, gen_time = 0, 0.0
     round_ = 0
     partial = PartialStats() if run.config.rl.partial_rollouts else None
@@ -136,6 +141,7 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
         gen_time += time.perf_counter() - t0
         gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
         await parts.scorer.score(groups, round_stats)
+        _shape_rewards(run, groups)
         scored.extend(r for g in groups for r in g.rollouts)
         # Failed rollouts leave their group (groups may be uneven); the filters see the rest.
         for f in parts.filters:
@@ -167,6 +173,15 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
         record["rollout/partial_resumed"] = partial.resumed
         record["rollout/partial_resumed_tokens"] = partial.resumed_tokens
     return record
+
+
+def _shape_rewards(run: Trainer, groups: Sequence[Group]) -> None:
+    """Reward shaping of training rollouts (``rollout.overlong_penalty``), before filters."""
+    cfg = run.config.rollout
+    if cfg.overlong_penalty is None:
+        return
+    shaping = OverlongPenalty(cfg.overlong_penalty, max_length=cfg.sampling.max_new_tokens)
+    shaping.apply(r for g in groups for r in g.rollouts)
 
 
 def round_metrics(
@@ -207,19 +222,21 @@ def _ordered(
 
 # ----------------------------------------------------------------------------- take
 def take_groups(
-    buffer: Any, *, n: int, version: int, max_staleness: int
+    buffer: Any, *, n: int, version: int, max_staleness: int, versions_per_step: int = 1
 ) -> tuple[list[Group], dict[str, float]]:
-    """This step's ``n`` groups from the buffer (never older than ``max_staleness`` versions
-    behind ``version``) and their staleness metrics."""
+    """This step's ``n`` groups from the buffer (never older than ``max_staleness`` RL steps,
+    ``versions_per_step`` versions each, behind ``version``) and their staleness metrics (in
+    RL steps)."""
     held = len(buffer)
-    groups = buffer.take(n, min_version=version - max_staleness)
+    groups = buffer.take(n, min_version=version - max_staleness * versions_per_step)
     if groups is None:
         raise RLError(
             f"buffer: {held} groups held but fewer than {n} within rl.max_staleness="
             f"{max_staleness} of policy version {version}; rounds must put "
             "fresh groups (is another writer using the buffer?)."
         )
-    ages = [version - v for g in groups for r in g.rollouts for v in r.versions]
+    k = versions_per_step
+    ages = [(version - v) // k for g in groups for r in g.rollouts for v in r.versions]
     lag = [version - r.min_version for g in groups for r in g.rollouts if r.versions]
     spans = [len(set(r.versions)) > 1 for g in groups for r in g.rollouts]
     return groups, {
@@ -351,7 +368,9 @@ def rl_batch(
         rollouts,
         policy,
         cfg.rl.max_tokens_per_micro_batch,
-        mask_versions_below=policy.version - keep if keep is not None else None,
+        mask_versions_below=(
+            policy.version - keep * cfg.rl.updates_per_step if keep is not None else None
+        ),
     )
     rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
     values = None
@@ -384,7 +403,10 @@ def rl_batch(
     # Tokens sampled by an older policy (stale rounds, surplus groups the dynamic sampler
     # carries over) differ from it as the behaviour policy: `train/mismatch` measures that
     # against the rollout log-probs and `algorithm.loss.correction: tis` corrects it.
-    if alg.recompute_old_logprobs and batch.old_logprobs is None:
+    # Several updates per batch (PPO epochs, mini-batches) need them from before the first.
+    # A teacher that had the policy score the student's tokens set them already.
+    needed = alg.recompute_old_logprobs or cfg.rl.updates_per_step > 1
+    if needed and batch.old_logprobs is None:
         batch.old_logprobs = policy.compute_logprobs(routing.for_policy(batch, mode)).logprobs
     return batch
 
@@ -392,8 +414,9 @@ def rl_batch(
 # ----------------------------------------------------------------------------- train
 def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
     """Build the batch of ``groups`` (:func:`rl_batch`) and take one optimizer step of the
-    policy (and the critic); returns the train metrics. Torch only: in async mode it runs in
-    the trainer thread."""
+    policy (and the critic), or one per PPO epoch and mini-batch
+    (:func:`rl_trainer.ppo_updates.optimize`); returns the train metrics. Torch only: in async
+    mode it runs in the trainer thread."""
     t0 = time.perf_counter()
     stage_record: dict[str, Any] = {}
     batch = rl_batch(run, groups, stage_record)
@@ -407,10 +430,10 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
             step=run.state["rl_step"] + 1,
             no_replay_every=rcfg.routing_no_replay_every,
         )
-    m = run.policy.train_step(batch, run.parts.loss_fn)
+    # one optimizer step, or rl.ppo_epochs x rl.mini_batches_per_step (metrics: their means)
+    m, cm, n_updates = ppo_updates.optimize(run, batch, groups)
     critic_record: dict[str, Any] = {}
-    if run.critic is not None:
-        cm = run.critic.train_step(batch, run.parts.value_loss_fn)
+    if cm is not None:
         critic_record = {
             "critic/loss": cm["loss"],
             "critic/grad_norm": cm["grad_norm"],
@@ -425,9 +448,19 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
         "train/kl": m.get("kl", m.get("ppo_kl")),
         "train/entropy": m.get("entropy"),
     }
-    for k in ("pg_clipfrac", "ppo_kl", "mismatch", "tis_weight_mean", "tis_clipfrac", "lr"):
+    for k in (
+        "pg_clipfrac",
+        "ppo_kl",
+        "mismatch",
+        "tis_weight_mean",
+        "tis_clipfrac",
+        "tis_veto_frac",
+        "opsm_clipfrac",
+        "lr",
+    ):
         if k in m:
             record[f"train/{k}"] = m[k]
+    record["train/optimizer_steps"] = n_updates
     record.update(critic_record)
     record.update(stage_record)
     # The global batch varies when a rollout function returns several samples per episode.

@@ -98,7 +98,9 @@ async def start(trainer: Trainer) -> bool:
         trainer.critic = build_critic(cfg, runtime, start_path)
     trainer.transport, trainer.receiver = build_transports(cfg, runtime, start_path)
     load_resumed_models(trainer)
-    trainer.first_version = trainer.policy.version - trainer.state["rl_step"]
+    trainer.first_version = (
+        trainer.policy.version - trainer.state["rl_step"] * cfg.rl.updates_per_step
+    )
     if trainer.generator.weight_version != trainer.policy.version:
         await stages.sync_weights(trainer)
     saved = False
@@ -127,7 +129,9 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
     if trainer.policy.version != trainer.train_version(step):
         raise RLError(
             f"rl step {step}: policy version {trainer.policy.version}, expected "
-            f"{trainer.train_version(step)} (one optimizer step per RL step)."
+            f"{trainer.train_version(step)} ({cfg.rl.updates_per_step} optimizer step(s) per "
+            "RL step: rl.ppo_epochs x rl.mini_batches_per_step; was the checkpoint written "
+            "with other values?)."
         )
     t0 = time.perf_counter()
     if trainer.pipeline is None:
@@ -140,6 +144,7 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
         n=cfg.rollout.prompts_per_step,
         version=trainer.policy.version,
         max_staleness=cfg.rl.max_staleness,
+        versions_per_step=cfg.rl.updates_per_step,
     )
     samples.after_take(trainer, step, groups, round_metrics, staleness)  # dumps, traces
     record: dict[str, Any] = {"step": step, "phase": "rl", **round_metrics, **staleness}
@@ -183,6 +188,7 @@ def _start_pipeline(trainer: Trainer) -> None:
         serve=serve,
         max_staleness=cfg.rl.max_staleness,
         first_version=trainer.first_version,
+        versions_per_step=cfg.rl.updates_per_step,
         last_step=cfg.rl.steps,
         next_step=trainer.state["rl_step"] + 1,
         released=trainer.policy.version,

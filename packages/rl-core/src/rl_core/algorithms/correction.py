@@ -19,12 +19,18 @@ Modes, with bounds ``[low, high]``:
 - ``none``: ``w = 1``.
 
 A token counts as *clipped* when its raw weight lies outside ``[low, high]``. All outputs are 0
-off the mask. The log-weight is clamped to ``+-LOG_RATIO_BOUND`` (20) before ``exp``, so ``raw``
+off the mask.
+
+**Veto** (slime's MIS rejection sampling, ``mis_veto_threshold``): with ``veto`` set, a sequence in
+which any masked token has a *token* ratio ``exp(log_w_t) < veto`` gets weight 0 on all its tokens,
+whatever the mode and level (``none`` excepted): one catastrophic token drops the whole sequence.
+Vetoed tokens count as clipped. The log-weight is clamped to ``+-LOG_RATIO_BOUND`` (20) before ``exp``, so ``raw``
 is at most ``exp(20)`` and never overflows; inside the bound the clamp changes nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +84,15 @@ class CorrectionWeights:
     raw_T: torch.Tensor
     """The importance ratio before truncation or masking."""
     clipped_T: torch.Tensor
-    """1.0 where the raw ratio was outside ``[low, high]`` (truncated or masked), else 0."""
+    """1.0 where the raw ratio was outside ``[low, high]`` (truncated or masked) or the sequence
+    was vetoed, else 0."""
+    vetoed_T: torch.Tensor | None = None
+    """1.0 on the tokens of sequences dropped by the veto (``None`` without a veto)."""
 
 
-def check_correction(mode: str, level: str, low: float, high: float, *, owner: str) -> None:
+def check_correction(
+    mode: str, level: str, low: float, high: float, *, owner: str, veto: float | None = None
+) -> None:
     """Raise :class:`ConfigError` (naming ``owner``'s fields) for bad correction settings."""
     if mode not in CORRECTION_MODES:
         raise ConfigError(
@@ -95,6 +106,10 @@ def check_correction(mode: str, level: str, low: float, high: float, *, owner: s
     if not 0.0 <= low <= high:
         raise ConfigError(
             f"{owner}.correction_clip_low/high: need 0 <= low <= high, got low={low}, high={high}."
+        )
+    if veto is not None and not 0.0 < veto < 1.0:
+        raise ConfigError(
+            f"{owner}.correction_veto: must be in (0, 1) (e.g. 1e-4) or None, got {veto}."
         )
 
 
@@ -116,12 +131,13 @@ def importance_weights(
     level: str = "token",
     clip_low: float = 0.0,
     clip_high: float = 2.0,
+    veto: float | None = None,
 ) -> CorrectionWeights:
     """Mismatch importance weights ``w = f(exp(logp_old - logp_rollout))`` (module docstring).
 
-    ``cu_seqlens_N1`` is required for the ``sequence`` and ``geometric`` levels.
+    ``cu_seqlens_N1`` is required for the ``sequence`` and ``geometric`` levels and for ``veto``.
     """
-    check_correction(mode, level, clip_low, clip_high, owner="correction")
+    check_correction(mode, level, clip_low, clip_high, owner="correction", veto=veto)
     t = int(loss_mask_T.shape[0])
     if old_logprobs_T.shape != (t,) or rollout_logprobs_T.shape != (t,):
         raise DataError(
@@ -134,15 +150,18 @@ def importance_weights(
             weights_T=m_T.clone(), raw_T=m_T.clone(), clipped_T=torch.zeros_like(m_T)
         )
     log_w_T = torch.where(m_T > 0, (old_logprobs_T - rollout_logprobs_T).detach(), 0.0)
-    if level != "token":
+    token_log_w_T = log_w_T
+    seq_T, n = torch.zeros(t, dtype=torch.int64, device=loss_mask_T.device), 0
+    if level != "token" or veto is not None:
         if cu_seqlens_N1 is None:
             raise ConfigError(
-                f"correction_level {level!r} needs cu_seqlens (sequence bounds); pass them or "
-                "use level 'token'."
+                f"correction_level {level!r} / veto {veto!r} need cu_seqlens (sequence bounds); "
+                "pass them or use level 'token' without a veto."
             )
         check_cu_seqlens(cu_seqlens_N1, t)
         n = int(cu_seqlens_N1.shape[0]) - 1
         seq_T = seq_index(cu_seqlens_N1)
+    if level != "token":
         log_w_N = segment_sum(log_w_T, seq_T, n)
         if level == "geometric":
             log_w_N = log_w_N / segment_sum(m_T, seq_T, n).clamp_min(1.0)
@@ -153,4 +172,13 @@ def importance_weights(
         weights_T = raw_T.clamp(clip_low, clip_high) * m_T
     else:  # mis / icepop
         weights_T = raw_T * (1.0 - outside_T)
-    return CorrectionWeights(weights_T=weights_T, raw_T=raw_T, clipped_T=outside_T)
+    vetoed_T = None
+    if veto is not None:
+        # log space: exp(log_w) < veto  <=>  log_w < log(veto); a -inf log-weight is vetoed too
+        bad_T = ((token_log_w_T < math.log(veto)) & (m_T > 0)).to(m_T.dtype)
+        vetoed_T = (segment_sum(bad_T, seq_T, n) > 0).to(m_T.dtype)[seq_T] * m_T
+        weights_T = weights_T * (1.0 - vetoed_T)
+        outside_T = torch.maximum(outside_T, vetoed_T)
+    return CorrectionWeights(
+        weights_T=weights_T, raw_T=raw_T, clipped_T=outside_T, vetoed_T=vetoed_T
+    )

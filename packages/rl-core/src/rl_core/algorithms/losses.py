@@ -24,9 +24,21 @@ gradient is 0, and inside the bound the result is bitwise unchanged.
 - ``cispo``: ``L_t = -sg(clip(rho_t, 1-eps_l, 1+eps_h)) A_t logp_t``; the gradient
   ``-clip(rho) A grad(logp)`` flows through every token, clipped or not.
 
-Then, in order: the mismatch weight of :mod:`rl_core.algorithms.correction` multiplies ``L_t``
-(``old`` vs ``TrainBatch.rollout_logprobs``); ``loss = sum L_t w_t``; the entropy bonus
-``- entropy_coef * sum H_t w_t``; the KL loss ``+ kl_coef * sum KL_t(logp, ref) w_t``.
+Then, in order: off-policy sequence masking (OPSM, below) zeroes ``L_t`` of masked sequences; the
+mismatch weight of :mod:`rl_core.algorithms.correction` multiplies ``L_t`` (``old`` vs
+``TrainBatch.rollout_logprobs``; with ``correction_veto`` a sequence holding one token ratio below
+the veto is dropped whole); ``loss = sum L_t w_t``; the entropy bonus ``- entropy_coef * sum H_t
+w_t``; the KL loss ``+ kl_coef * sum KL_t(logp, ref) w_t`` (with ``kl_unbiased`` each ``KL_t`` is
+multiplied by ``rho_t``, DeepSeek-V3.2's unbiased estimator under off-policy samples).
+
+**OPSM** (off-policy sequence masking, DeepSeek-V3.2, slime's ``--use-opsm``): with
+``opsm_delta = delta`` and ``b_t`` the behaviour log-probs (``old``, or the engine's
+``rollout_logprobs`` with ``opsm_reference: rollout``), sequence ``i`` has
+``D_i = sum_{t in i} m_t (b_t - sg(logp_t)) / max(1, sum_{t in i} m_t)`` (the sampled KL from the
+behaviour policy to the current one) and token ``t`` of sequence ``i`` is dropped when
+``A_t < 0`` and ``D_i > delta``: negative-advantage samples the policy has drifted away from
+teach little and destabilise training. Metric ``opsm_clipfrac`` (weighted fraction of dropped
+tokens).
 
 **SFTLoss**: ``-sum logp_t w_t``.
 
@@ -43,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 
@@ -134,6 +146,25 @@ class PolicyLoss:
         """Lower bound of the mismatch weight."""
         correction_clip_high: NonNegFloat = 2.0
         """Upper bound of the mismatch weight."""
+        correction_veto: Annotated[float, Range(gt=0, lt=1)] | None = None
+        """With a ``correction``: drop every sequence in which one token's ratio
+        ``exp(old - rollout)`` is below this (slime's ``mis_veto_threshold``, e.g. 1e-4);
+        ``None``: no veto."""
+        opsm_delta: NonNegFloat | None = None
+        """Off-policy sequence masking threshold ``delta`` (slime ``--opsm-delta``, e.g. 1e-4):
+        drop negative-advantage tokens of sequences whose mean ``behaviour - current``
+        log-prob gap exceeds it; ``None``: off. Under the default one update per step with no
+        separate old log-prob pass, ``old`` equals the current policy, so OPSM bites only with
+        ``opsm_reference: rollout``, stale data, or several updates per step
+        (``rl.ppo_epochs`` / ``rl.mini_batches_per_step``)."""
+        opsm_reference: Literal["old", "rollout"] = "old"
+        """Behaviour log-probs OPSM measures against: ``old`` (``TrainBatch.old_logprobs``, as
+        slime does) or ``rollout`` (the engine's log-probs: staleness and train/inference
+        mismatch together, as the DeepSeek-V3.2 report defines it)."""
+        kl_unbiased: bool = False
+        """Multiply the per-token KL-loss estimate by the ratio ``rho_t`` (slime
+        ``--use-unbiased-kl``, DeepSeek-V3.2): unbiased when the samples come from the old
+        policy rather than the current one."""
 
         def __post_init__(self) -> None:
             owner = "PolicyLoss.Config"
@@ -163,7 +194,22 @@ class PolicyLoss:
                 self.correction_clip_low,
                 self.correction_clip_high,
                 owner=owner,
+                veto=self.correction_veto,
             )
+            if self.correction_veto is not None and self.correction == "none":
+                raise ConfigError(
+                    f"{owner}.correction_veto: needs a correction (tis, mis or icepop); set "
+                    "correction or remove correction_veto."
+                )
+            if self.opsm_delta is not None and self.opsm_delta < 0:
+                raise ConfigError(
+                    f"{owner}.opsm_delta: must be >= 0 (e.g. 1e-4) or None, got {self.opsm_delta}."
+                )
+            if self.opsm_reference not in ("old", "rollout"):
+                raise ConfigError(
+                    f"{owner}.opsm_reference: unknown {self.opsm_reference!r}; choose old or "
+                    "rollout."
+                )
 
     def __init__(self, config: PolicyLoss.Config | None = None) -> None:
         self.config = config or PolicyLoss.Config()
@@ -195,6 +241,7 @@ class PolicyLoss:
 
         ratio_T = self._ratio(logp_T, old_T, on_T, m_T, batch)
         pg_T, clipfrac_T = self._clipped_pg(ratio_T, adv_T, logp_T, on_T, w_T, metrics)
+        pg_T = self._opsm(pg_T, logp_T, old_T, adv_T, on_T, w_T, batch, metrics)
         pg_T = self._corrected(pg_T, old_T, m_T, w_T, batch, metrics)
 
         pg_loss = (pg_T * w_T).sum()
@@ -203,7 +250,7 @@ class PolicyLoss:
         metrics["pg_clipfrac"] = _wsum(clipfrac_T, w_T)
         metrics["ppo_kl"] = _wsum(_masked(old_T - logp_T, on_T), w_T)
         loss = self._entropy_term(loss, entropy, on_T, w_T, metrics)
-        loss = self._kl_term(loss, logp_T, on_T, w_T, batch, metrics)
+        loss = self._kl_term(loss, logp_T, old_T, on_T, w_T, batch, metrics)
         return LossOutput(loss=loss, metrics=metrics)
 
     def _ratio(
@@ -256,6 +303,42 @@ class PolicyLoss:
             metrics["pg_clipfrac_lower"] = _wsum(dual_T.to(dtype), w_T)
         return pg_T, clipfrac_T
 
+    def _opsm(
+        self,
+        pg_T: torch.Tensor,
+        logp_T: torch.Tensor,
+        old_T: torch.Tensor,
+        adv_T: torch.Tensor,
+        on_T: torch.Tensor,
+        w_T: torch.Tensor,
+        batch: TrainBatch,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """Off-policy sequence masking (module docstring): ``pg_T`` with the negative-advantage
+        tokens of drifted sequences set to 0 (no gradient)."""
+        cfg = self.config
+        if cfg.opsm_delta is None:
+            return pg_T
+        dtype = logp_T.dtype
+        if cfg.opsm_reference == "rollout":
+            if batch.rollout_logprobs is None:
+                raise ConfigError(
+                    "PolicyLoss.Config.opsm_reference = 'rollout' needs "
+                    "TrainBatch.rollout_logprobs (the engine's log-probs); have the generator "
+                    "return log-probs or set opsm_reference = 'old'."
+                )
+            behaviour_T = batch.rollout_logprobs.to(dtype)
+        else:
+            behaviour_T = old_T
+        n = batch.num_sequences
+        seq_T = seq_index(batch.cu_seqlens)
+        gap_T = _masked(behaviour_T.detach() - logp_T.detach(), on_T)
+        count_N = segment_sum(on_T.to(dtype), seq_T, n).clamp_min(1.0)
+        kl_N = segment_sum(gap_T, seq_T, n) / count_N
+        drop_T = on_T & (adv_T < 0) & (kl_N > cfg.opsm_delta)[seq_T]
+        metrics["opsm_clipfrac"] = _wsum(drop_T.to(dtype), w_T)
+        return torch.where(drop_T, 0.0, pg_T)
+
     def _corrected(
         self,
         pg_T: torch.Tensor,
@@ -288,10 +371,13 @@ class PolicyLoss:
             level=cfg.correction_level,
             clip_low=cfg.correction_clip_low,
             clip_high=cfg.correction_clip_high,
+            veto=cfg.correction_veto,
         )
         pg_T = pg_T * corr.weights_T
         metrics["tis_weight_mean"] = _wsum(corr.weights_T, w_T)
         metrics["tis_clipfrac"] = _wsum(corr.clipped_T, w_T)
+        if corr.vetoed_T is not None:
+            metrics["tis_veto_frac"] = _wsum(corr.vetoed_T, w_T)
         return pg_T
 
     def _entropy_term(
@@ -320,6 +406,7 @@ class PolicyLoss:
         self,
         loss: torch.Tensor,
         logp_T: torch.Tensor,
+        old_T: torch.Tensor,
         on_T: torch.Tensor,
         w_T: torch.Tensor,
         batch: TrainBatch,
@@ -331,6 +418,8 @@ class PolicyLoss:
             # mask the inputs, not the output: a NaN/inf off the mask must not reach backward
             ref_T = _masked(batch.ref_logprobs.to(logp_T.dtype), on_T)
             kl_T = kl_estimate(_masked(logp_T, on_T), ref_T, cfg.kl_type)
+            if cfg.kl_unbiased:
+                kl_T = kl_T * torch.exp(clamp_log_ratio(_masked(logp_T - old_T, on_T)))
             metrics["kl"] = _wsum(kl_T, w_T)
             if cfg.kl_coef > 0:
                 loss = loss + cfg.kl_coef * (kl_T * w_T).sum()

@@ -17,7 +17,9 @@ combine        :class:`~rl_core.rewards.combine.Combine`      weighted sum + eve
 ============== ============================================== ===================================
 
 :class:`~rl_core.rewards.group.MajorityVote` is a :class:`~rl_core.interfaces.GroupRewardFn`
-example (label-free majority vote over a group).
+example (label-free majority vote over a group). :class:`~rl_core.rewards.shaping.OverlongPenalty`
+shapes a reward after it was computed (DAPO's soft overlong punishment; the trainer's
+``rollout.overlong_penalty``).
 
 Rules they all follow: a wrong or unparsable response scores 0 (never an exception); an error
 is raised only for misconfiguration (:class:`~rl_core.errors.ConfigError` when built, or
@@ -34,6 +36,7 @@ from rl_core.rewards.combine import Combine, CombineComponent
 from rl_core.rewards.group import MajorityVote
 from rl_core.rewards.math_answer import MathEquiv
 from rl_core.rewards.remote import RemoteReward
+from rl_core.rewards.shaping import OverlongPenalty, overlong_penalty
 from rl_core.rewards.text import F1, ExactMatch, FormatMatch, f1_score
 
 __all__ = [
@@ -44,6 +47,8 @@ __all__ = [
     "FormatMatch",
     "MajorityVote",
     "MathEquiv",
+    "OverlongPenalty",
     "RemoteReward",
     "f1_score",
+    "overlong_penalty",
 ]
