@@ -1,4 +1,4 @@
-"""Every algorithm preset recipe (``rl-train run grpo`` ...) builds and runs two RL steps end to
+"""Every algorithm preset recipe (``rl-train run grpo`` ... ``opd``) builds and runs two RL steps end to
 end on the demo's task with small overrides, with finite metrics and its algorithm's own."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from rl_hf import TinyModelSpec, build_tiny_model
 from rl_trainer.cli import recipe_path
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
@@ -26,14 +27,19 @@ PRESETS = {
     "reinforce_pp": ["train/kl"],
     "rloo": ["train/kl"],
     "ppo": ["critic/value_error", "critic/value_mean", "critic/clipfrac", "train/pg_clipfrac"],
+    "opd": ["distill/reverse_kl", "distill/teacher_logp_mean"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_runs_two_steps(name, tmp_path, tiny_recipe_dict):
-    preset = load_trainer_config(recipe_path(name))
-    minis = preset.rl.mini_batches_per_step
     tiny = tiny_recipe_dict(tmp_path)["model"]["init"]  # the trainer tests' one-layer model
+    teacher = []
+    if name == "opd":  # a teacher of the student's shape with other weights
+        spec = TinyModelSpec(**{**tiny, "seed": int(tiny.get("seed", 0)) + 1})
+        teacher = [f"teacher.path={build_tiny_model(tmp_path / 'teacher', spec)}"]
+    preset = load_trainer_config(recipe_path(name), teacher)
+    minis = preset.rl.mini_batches_per_step
     init = ", ".join(f"{k}: {v}" for k, v in tiny.items())
     overrides = [
         f"run_dir={tmp_path}",
@@ -52,6 +58,7 @@ def test_preset_runs_two_steps(name, tmp_path, tiny_recipe_dict):
     ]
     if preset.rollout.overlong_penalty is not None:
         overrides.append("rollout.overlong_penalty.band=2")
+    overrides += teacher
     cfg = load_trainer_config(recipe_path(name), overrides)
     trainer = Trainer(cfg)
     steps = [r for r in trainer.run() if r["phase"] == "rl" and r["step"]]
