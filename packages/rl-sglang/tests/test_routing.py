@@ -177,3 +177,46 @@ def test_routing_requests_bypass_the_router(moe_gen: SGLangGenerator) -> None:
         assert asyncio.run(gen.generate([plain]))[0].routed_experts is None
     finally:
         asyncio.run(gen.close())
+
+
+def test_fused_expert_weights_reach_the_served_experts(
+    moe_gen: SGLangGenerator, moe_model: Path, tmp_path: Path
+) -> None:
+    """A policy's weights in transformers' in-memory naming (fused ``experts.gate_up_proj`` /
+    ``down_proj``, as HFPolicy.named_weights yields them) update the served experts: after
+    perturbing every expert, the engine's log-probs equal transformers' on the new weights
+    (SGLang alone skips fused names with a warning; the experts then stay stale). A disk
+    checkpoint with fused names is refused up front."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from rl_core.errors import WeightSyncError
+
+    hf = AutoModelForCausalLM.from_pretrained(str(moe_model), dtype=torch.float32).eval()
+    gen_ = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".mlp.experts." in name:
+                p.add_(torch.randn(p.shape, generator=gen_) * 0.5)
+    state = {n: t.detach().clone() for n, t in hf.state_dict().items()}
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+    moe_gen.load_weights(state.items(), version=7)
+    req = GenerationRequest(
+        request_id="fused",
+        input_ids=P,
+        sampling=SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=()),
+    )
+    (res,) = asyncio.run(moe_gen.generate([req]))
+    assert res.weight_version == 7
+    tokens = torch.tensor([list(P + res.output_ids)])
+    with torch.no_grad():
+        logp_SV = torch.log_softmax(hf(tokens).logits[0].float(), -1)
+    out = torch.tensor(res.output_ids)
+    hf_R = logp_SV[len(P) - 1 : len(P) - 1 + len(out)].gather(-1, out[:, None])[:, 0]
+    diff = float((hf_R - torch.tensor(res.output_logprobs)).abs().max())
+    print(f"max |logp SGLang - HF| after a fused-expert update: {diff:.2e}")
+    assert diff < 1e-3
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightSyncError, match="fused MoE expert tensors"):
+        moe_gen.load_weights_from_disk(str(tmp_path), version=8)
+    assert moe_gen.weight_version == 7

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from rl_core.errors import ConfigError
+from rl_core.moe_weights import unfuse_expert_tensors
 
 __all__ = [
     "MoESettings",
@@ -247,24 +248,10 @@ def expert_entries(
 
 
 def unfuse_hf_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Split transformers' in-memory fused expert tensors (``mlp.experts.gate_up_proj``
-    ``[E, 2F, H]``, ``mlp.experts.down_proj`` ``[E, H, F]``) into the per-expert checkpoint
-    names this converter uses; other names pass through."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                gate, up = t[e].chunk(2, dim=0)
-                out[f"{base}{e}.gate_proj.weight"] = gate
-                out[f"{base}{e}.up_proj.weight"] = up
-        elif name.endswith(".mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
+    """Split transformers' in-memory fused expert tensors into the per-expert checkpoint names
+    this converter uses (:func:`rl_core.moe_weights.unfuse_expert_tensors`); other names pass
+    through."""
+    return dict(unfuse_expert_tensors(tensors.items()))
 
 
 # ----------------------------------------------------------------------------------------------

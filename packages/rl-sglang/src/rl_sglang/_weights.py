@@ -7,6 +7,7 @@ import base64
 import logging
 import pickle
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ import torch
 
 from rl_core.errors import GenerationError, WeightSyncError
 from rl_core.interfaces import WeightTransport
+from rl_core.moe_weights import has_fused_experts, is_fused_expert_name, unfuse_expert_tensors
 from rl_core.types import WeightUpdate
 from rl_sglang._state import _GeneratorState, _Server
 
@@ -44,14 +46,32 @@ class _WeightsMixin(_GeneratorState):
         """Point every server at the Hugging Face checkpoint ``path`` and set ``version``.
 
         Called by disk transports after they verified the checkpoint (``DiskWeightTarget``).
+
+        Raises:
+            WeightSyncError: the checkpoint holds transformers' fused MoE expert tensors, which
+                SGLang's loaders skip with a warning (the experts would stay stale).
         """
+        fused = _fused_expert_names(Path(path))
+        if fused:
+            raise WeightSyncError(
+                f"SGLangGenerator.load_weights_from_disk: {path} holds fused MoE expert tensors "
+                f"({fused[0]}, ...), which SGLang does not load (it expects one tensor per "
+                "expert): the served experts would stay at their old weights. Use an in-memory "
+                "weight transport (weight_transport.type: inprocess), which splits them, or "
+                "write the checkpoint with per-expert names."
+            )
         self._io.call(self._update_all("disk", str(path), int(version)))
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
     ) -> None:
-        """Push Hugging Face-named tensors to every server and set ``version``."""
-        tensors = [(n, t.detach().to("cpu").contiguous().clone()) for n, t in named_tensors]
+        """Push Hugging Face-named tensors to every server and set ``version``. transformers'
+        fused MoE expert tensors are sent as one tensor per expert, the names SGLang loads
+        (:mod:`rl_core.moe_weights`; SGLang skips fused names with a warning)."""
+        tensors = [
+            (n, t.detach().to("cpu").contiguous().clone())
+            for n, t in unfuse_expert_tensors(named_tensors)
+        ]
         self._io.call(self._update_all("tensors", tensors, int(version)))
 
     async def _update_all(self, kind: str, payload: Any, version: int) -> None:
@@ -204,3 +224,21 @@ def _memory_tags(tags: Sequence[str] | None) -> list[str] | None:
             f"subset of {MEMORY_TAGS} or None for all."
         )
     return out
+
+
+def _fused_expert_names(directory: Path) -> list[str]:
+    """Names of fused MoE expert tensors in the ``*.safetensors`` files of ``directory``
+    (headers only; ``[]`` when there are none or the files cannot be read: the server
+    reports those)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                keys = list(h.keys())
+        except (OSError, ValueError, RuntimeError):
+            continue
+        if has_fused_experts(keys):
+            names += [k for k in keys if is_fused_expert_name(k)]
+    return names
