@@ -70,8 +70,10 @@ def test_offline_run_holds_config_metrics_samples_and_report(
     for rec in _records(log):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
-            config = {u.key: json.loads(u.value_json) for u in rec.run.config.update}
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
             assert rec.run.project == "ops-test" and list(rec.run.tags) == ["t"]
+        elif kind == "config":  # wandb may send init's config as a later config record
+            config.update({u.key: json.loads(u.value_json) for u in rec.config.update})
         elif kind == "history":
             items = {
                 "/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item
