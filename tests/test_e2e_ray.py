@@ -15,7 +15,8 @@ as Ray actors of the session cluster, weights moving through a disk transport (`
   resuming it on Ray gives exactly the uninterrupted run;
 - partial rollouts: requests aborted on every engine at a weight update resume on the new
   weights, and the run learns;
-- two Megatron policy ranks (tensor parallel) learn.
+- two Megatron policy ranks (tensor parallel) learn;
+- on-policy distillation: the teacher scores in the policy rank.
 """
 
 from __future__ import annotations
@@ -395,6 +396,31 @@ def test_megatron_expert_parallel_moe_replays_the_engines_routing(ray_cluster, t
         assert r["routing/logprob_mismatch"] < r["routing/logprob_mismatch_no_replay"]
         assert r["routing/bytes_per_token"] == 2.0  # 1 MoE layer x top-2 x uint8
     assert (run / "final_model" / "model.safetensors").is_file()
+
+
+def test_on_policy_distillation_teacher_scores_in_the_policy_ranks(ray_cluster, tmp_path):
+    """On-policy distillation on Ray: the teacher is built in the policy rank (role
+    ``teacher``, frozen) and scores the student's tokens; the advantage is the per-token
+    reverse KL, which falls over the steps (fixed seed)."""
+    from rl_hf import TinyModelSpec, build_tiny_model
+
+    teacher = build_tiny_model(
+        tmp_path / "teacher", TinyModelSpec(**{**RECIPE["model"]["init"], "seed": 11})
+    )
+    run = tmp_path / "opd"
+    _run(
+        run,
+        f"teacher.path={teacher}",
+        "teacher.reward_weight=0",
+        "runtime.generator.count=1",
+        "sft.steps=2",
+        "rl.steps=4",
+        "eval.every=0",
+        "checkpoint.every=0",
+    )
+    kl = [r["distill/reverse_kl"] for r in _rows(run) if r["phase"] == "rl" and r["step"]]
+    assert len(kl) == 4 and all(k > 0 for k in kl)
+    assert kl[-1] < kl[0], kl
 
 
 @pytest.mark.parametrize(
