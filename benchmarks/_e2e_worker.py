@@ -317,11 +317,20 @@ def grpo_config(
     )
 
 
-def timed_grpo_trainer(trainer_cls: Any, phase: dict[str, float]) -> Any:
-    """``trainer_cls`` (TRL's ``GRPOTrainer``) with its rollout phase (generate, decode, reward,
-    advantages) timed into ``phase["rollout_s"]``."""
+def timed_grpo_trainer(
+    model: Any,
+    reward_fn: Any,
+    config: Any,
+    dataset: Any,
+    tokenizer: Any,
+    callback: Any,
+    phase: dict[str, float],
+) -> Any:
+    """TRL's ``GRPOTrainer`` on ``model`` with one reward function and one callback, its rollout
+    phase (generate, decode, reward, advantages) timed into ``phase["rollout_s"]``."""
+    from trl import GRPOTrainer
 
-    class TimedGRPOTrainer(trainer_cls):
+    class TimedGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with its rollout phase timed."""
 
         def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
@@ -330,7 +339,14 @@ def timed_grpo_trainer(trainer_cls: Any, phase: dict[str, float]) -> Any:
             phase["rollout_s"] = phase.get("rollout_s", 0.0) + time.perf_counter() - t0
             return out
 
-    return TimedGRPOTrainer
+    return TimedGRPOTrainer(
+        model=model,
+        reward_funcs=[reward_fn],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
 
 
 def run_trl(settings: dict[str, Any], out: str) -> None:
@@ -338,7 +354,7 @@ def run_trl(settings: dict[str, Any], out: str) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from rl_buffer.sources import JsonlSource
     from rl_trainer.tasks import ReverseTask
@@ -401,14 +417,7 @@ def run_trl(settings: dict[str, Any], out: str) -> None:
     )
     phase = {"rollout_s": 0.0}
     model = AutoModelForCausalLM.from_pretrained(str(sft))
-    trainer = timed_grpo_trainer(GRPOTrainer, phase)(
-        model=model,
-        reward_funcs=[reward_fn],
-        args=config,
-        train_dataset=dataset,
-        processing_class=tok,
-        callbacks=[EvalCallback()],
-    )
+    trainer = timed_grpo_trainer(model, reward_fn, config, dataset, tok, EvalCallback(), phase)
     t_wall = time.perf_counter()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -457,7 +466,7 @@ def run_trl_recipe(settings: dict[str, Any], out: str) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from rl_core import registry
     from rl_core.algorithms.losses import PolicyLoss
@@ -526,14 +535,7 @@ def run_trl_recipe(settings: dict[str, Any], out: str) -> None:
 
     phase = {"rollout_s": 0.0}
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    trainer = timed_grpo_trainer(GRPOTrainer, phase)(
-        model=model,
-        reward_funcs=[reward_fn],
-        args=config,
-        train_dataset=dataset,
-        processing_class=tok,
-        callbacks=[StepClock()],
-    )
+    trainer = timed_grpo_trainer(model, reward_fn, config, dataset, tok, StepClock(), phase)
     trainer.train()
     _write(
         out,
