@@ -10,8 +10,9 @@ Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_model.py                # 16 steps
     ... benchmarks/real_model.py --steps 4 --trl                 # TRL beside it
-    ... benchmarks/real_model.py --steps 2 --out benchmarks/results/real_model_sglang.json \
+    ... benchmarks/real_model.py --steps 2 --out benchmarks/results/real_model_sglang.json
         --set 'generator={type: sglang, num_servers: 1, server_args: {log_level: warning}}'
+        # (one command line) the SGLang generator
 
 With ``--trl``, TRL's ``GRPOTrainer`` runs the same recipe settings for the same number of
 steps, at the same time as ours so both see the same load (``benchmarks/_e2e_worker.py`` mode
