@@ -14,9 +14,8 @@ Usage::
         --set 'generator={type: sglang, num_servers: 1, server_args: {log_level: warning}}'
         # (one command line) the SGLang generator
 
-With ``--trl``, TRL's ``GRPOTrainer`` runs the same recipe settings for the same number of
-steps, at the same time as ours so both see the same load (``benchmarks/_e2e_worker.py`` mode
-``trl_recipe``, in the TRL venv of ``benchmarks/e2e.py``):
+With ``--trl``, TRL's ``GRPOTrainer`` then runs the same recipe settings for the same number of
+steps (``benchmarks/_e2e_worker.py`` mode ``trl_recipe``, in the TRL venv of ``benchmarks/e2e.py``):
 the same model, the task's training prompts in the order our data source draws them (already
 rendered with SmolLM2's ChatML template; TRL's tokenization of them is checked to be ours), the
 task's reward, group size, prompts per step, max new tokens, temperature, AdamW (lr, betas, eps,
@@ -34,7 +33,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -123,32 +121,17 @@ def main() -> None:
     cmd += [a for kv in args.set for a in ("--set", kv)]
     wall = None
     load_start = os.getloadavg()
-    trl_box: dict[str, Any] = {}
-    trl_thread = None
-    if args.trl:
-        overrides = [f"{k}={v}" for k, v in sets.items() if k != "run_dir"] + args.set
-        work = Path(args.trl_work_dir or bench_home() / "real_model").resolve()
-
-        def trl_job() -> None:
-            try:
-                trl_box["result"] = run_trl(args, overrides, work)
-            except BaseException as e:  # reported after our run
-                trl_box["error"] = e
-
-        # Side by side: TRL runs while ours runs, so both see the same load on a shared machine
-        # (one torch thread each).
-        trl_thread = threading.Thread(target=trl_job, daemon=True)
-        trl_thread.start()
-    cpu_s = None
+    cpu_s = rss_mb = None
     if not args.from_run:
         t0 = time.perf_counter()
         log = run_dir.parent / f"{run_dir.name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as f:
             proc = subprocess.Popen(cmd, text=True, stdout=f, stderr=subprocess.STDOUT)
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's CPU only, not TRL's
+            _, status, usage = os.wait4(proc.pid, 0)  # this run's CPU (and its reaped children)
         wall = time.perf_counter() - t0
         cpu_s = usage.ru_utime + usage.ru_stime
+        rss_mb = round(usage.ru_maxrss / 1024)  # the largest process it ran (no SGLang server)
         if os.waitstatus_to_exitcode(status) != 0:
             sys.exit(f"run failed ({status}); log {log}:\n{log.read_text()[-3000:]}")
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -180,6 +163,7 @@ def main() -> None:
         # The run's process and the processes it waited for (an SGLang server), start-up and
         # evals included.
         "process_cpu_s_per_sample": round(cpu_s / samples, 3) if samples and cpu_s else None,
+        "peak_rss_mb": rss_mb,
         "train_reward_per_step": [
             round(r.get("rollout/reward_mean", float("nan")), 4) for r in steps
         ],
@@ -198,11 +182,12 @@ def main() -> None:
             f"{s:>6} {r['eval/reward_mean']:>8.3f} {r.get('eval/exact_mean', float('nan')):>7.3f} "
             f"{r.get('eval/format_mean', float('nan')):>7.3f}"
         )
-    if trl_thread is not None:
-        trl_thread.join()
-        if "error" in trl_box:
-            raise SystemExit(f"TRL side failed: {trl_box['error']}")
-        trl = result["trl"] = trl_box["result"]
+    if args.trl:
+        # After ours, not beside it: both at once (8-10 GB resident for ours, ~12 GB for TRL's
+        # full-vocabulary logits) were killed for memory on a 23 GB machine.
+        overrides = [f"{k}={v}" for k, v in sets.items() if k != "run_dir"] + args.set
+        work = Path(args.trl_work_dir or bench_home() / "real_model").resolve()
+        trl = result["trl"] = run_trl(args, overrides, work)
         result["speedup_vs_trl"] = {
             "samples_per_s": round(result["samples_per_s"] / trl["samples_per_s"], 3),
             "cpu_s_per_sample": round(trl["cpu_s_per_sample"] / result["cpu_s_per_sample"], 3),
