@@ -228,12 +228,133 @@ class HeldOutEval:
         }
 
 
+def counting_reward(score: Any, eos: int, counts: dict[str, Any]) -> Any:
+    """A TRL reward function around ``score(completion_text, label) -> float`` that also counts
+    the samples and response tokens (as our trainer counts them: up to and including the stop
+    token) into ``counts``, and appends each call's mean reward to ``counts["reward_per_call"]``
+    (one call per step when a step generates once)."""
+
+    def reward_fn(
+        prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kw: Any
+    ) -> list[float]:
+        counts["samples"] = counts.get("samples", 0) + len(completions)
+        counts["response_tokens"] = counts.get("response_tokens", 0) + sum(
+            (ids.index(eos) + 1) if eos in ids else len(ids) for ids in completion_ids
+        )
+        rewards = [float(score(c, lab)) for c, lab in zip(completions, kw["label"])]
+        counts.setdefault("reward_per_call", []).append(sum(rewards) / max(len(rewards), 1))
+        return rewards
+
+    return reward_fn
+
+
+def grpo_config(
+    config_cls: Any,
+    output_dir: str,
+    *,
+    seed: int,
+    prompts_per_step: int,
+    n_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    lr: float,
+    steps: int,
+    eps_low: float,
+    eps_high: float,
+    beta: float = 0.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    loss_type: str = "dapo",
+    optim: str | None = None,
+    gradient_checkpointing: bool | None = None,
+) -> Any:
+    """TRL's ``GRPOConfig`` (``config_cls``) matching one RL step of our trainer: ``P * G``
+    completions per optimizer step in one generation round, constant-lr AdamW, one update per
+    rollout batch, CPU, fp32, the data in the order given (no shuffling), no saving or reports.
+    ``loss_type="dapo"``: the token-mean loss over the step (ours: ``aggregation: token``).
+    ``optim``: the transformers optimizer name (``None``: its default, fused AdamW;
+    ``"adamw_torch"`` is ``torch.optim.AdamW`` as our policies use it).
+    ``gradient_checkpointing``: ``None`` keeps TRL's default (on)."""
+    extra: dict[str, Any] = {"optim": optim} if optim is not None else {}
+    if gradient_checkpointing is not None:
+        extra["gradient_checkpointing"] = gradient_checkpointing
+    return config_cls(
+        **extra,
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        per_device_train_batch_size=prompts_per_step * n_samples,
+        gradient_accumulation_steps=1,
+        num_generations=n_samples,
+        max_completion_length=max_new_tokens,
+        temperature=temperature,
+        top_p=1.0,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_epsilon=adam_eps,
+        weight_decay=weight_decay,
+        max_grad_norm=grad_clip,
+        beta=beta,
+        epsilon=eps_low,
+        epsilon_high=eps_high,
+        loss_type=loss_type,
+        scale_rewards="group",
+        num_iterations=1,
+        shuffle_dataset=False,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def timed_grpo_trainer(
+    model: Any,
+    reward_fn: Any,
+    config: Any,
+    dataset: Any,
+    tokenizer: Any,
+    callback: Any,
+    phase: dict[str, float],
+) -> Any:
+    """TRL's ``GRPOTrainer`` on ``model`` with one reward function and one callback, its rollout
+    phase (generate, decode, reward, advantages) timed into ``phase["rollout_s"]``."""
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with its rollout phase timed."""
+
+        def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(*a, **kw)
+            phase["rollout_s"] = phase.get("rollout_s", 0.0) + time.perf_counter() - t0
+            return out
+
+    return TimedGRPOTrainer(
+        model=model,
+        reward_funcs=[reward_fn],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+
+
 def run_trl(settings: dict[str, Any], out: str) -> None:
     """TRL's GRPOTrainer on the same checkpoint, prompts (in the same order), reward and eval."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from rl_buffer.sources import JsonlSource
     from rl_trainer.tasks import ReverseTask
@@ -254,27 +375,13 @@ def run_trl(settings: dict[str, Any], out: str) -> None:
         tok,
     )
     drawn = src.next_prompts(steps * P)
-    for p in drawn[:64]:
-        ids = tok(p.input, add_special_tokens=False)["input_ids"]
-        if tuple(ids) != tuple(p.token_ids):
-            raise SystemExit(
-                f"prompt {p.input!r}: TRL would tokenize it as {ids}, ours {p.token_ids}"
-            )
+    check_prompt_tokens(tok, drawn)
     dataset = Dataset.from_list([{"prompt": p.input, "label": p.label} for p in drawn])
     task = ReverseTask(ReverseTask.Config())
     counts = {"samples": 0, "response_tokens": 0}
-    eos = tok.eos_token_id
-
-    def reward_fn(
-        prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kw: Any
-    ) -> list[float]:
-        counts["samples"] += len(completions)
-        # Response tokens as our trainer counts them: up to and including the stop token.
-        counts["response_tokens"] += sum(
-            (ids.index(eos) + 1) if eos in ids else len(ids) for ids in completion_ids
-        )
-        return [task.score(c.strip(), lab)["reward"] for c, lab in zip(completions, kw["label"])]
-
+    reward_fn = counting_reward(
+        lambda c, lab: task.score(c.strip(), lab)["reward"], tok.eos_token_id, counts
+    )
     reward_fn.__name__ = "position_match"
     clock = _Clock()
     every = settings["eval_every"]
@@ -295,56 +402,22 @@ def run_trl(settings: dict[str, Any], out: str) -> None:
             if s % every == 0 or s == steps:
                 self._eval(model, s)
 
-    config = GRPOConfig(
-        output_dir=str(work / settings.get("run_name", "trl")),
-        use_cpu=True,
-        bf16=False,
+    config = grpo_config(
+        GRPOConfig,
+        str(work / settings.get("run_name", "trl")),
         seed=settings["seed"],
-        per_device_train_batch_size=P * G,
-        gradient_accumulation_steps=1,
-        num_generations=G,
-        max_completion_length=settings["max_new_tokens"],
+        prompts_per_step=P,
+        n_samples=G,
+        max_new_tokens=settings["max_new_tokens"],
         temperature=settings["temperature"],
-        top_p=1.0,
-        learning_rate=settings["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.0,
-        epsilon=settings["eps_low"],
-        epsilon_high=settings["eps_high"],
-        loss_type="dapo",
-        scale_rewards="group",
-        num_iterations=1,
-        shuffle_dataset=False,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        lr=settings["lr"],
+        steps=steps,
+        eps_low=settings["eps_low"],
+        eps_high=settings["eps_high"],
     )
     phase = {"rollout_s": 0.0}
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer with its rollout phase (generate, decode, reward, advantages) timed."""
-
-        def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(*a, **kw)
-            phase["rollout_s"] += time.perf_counter() - t0
-            return out
-
     model = AutoModelForCausalLM.from_pretrained(str(sft))
-    trainer = TimedGRPOTrainer(
-        model=model,
-        reward_funcs=[reward_fn],
-        args=config,
-        train_dataset=dataset,
-        processing_class=tok,
-        callbacks=[EvalCallback()],
-    )
+    trainer = timed_grpo_trainer(model, reward_fn, config, dataset, tok, EvalCallback(), phase)
     t_wall = time.perf_counter()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -366,6 +439,146 @@ def run_trl(settings: dict[str, Any], out: str) -> None:
     )
 
 
+def check_prompt_tokens(tok: Any, drawn: list[Any], n: int = 64) -> None:
+    """Exit unless TRL's tokenization of the prompt text (``add_special_tokens=False``) gives
+    exactly the token ids our data source produced, for the first ``n`` prompts."""
+    for p in drawn[:n]:
+        ids = tok(p.input, add_special_tokens=False)["input_ids"]
+        if tuple(ids) != tuple(p.token_ids):
+            raise SystemExit(
+                f"prompt {p.input!r}: TRL would tokenize it as {ids}, ours {p.token_ids}"
+            )
+
+
+TRL_LOSS_TYPES = {"token": "dapo", "sequence": "grpo", "constant": "dr_grpo"}
+"""Our ``algorithm.aggregation`` -> TRL's ``loss_type`` with the same averaging."""
+
+
+def run_trl_recipe(settings: dict[str, Any], out: str) -> None:
+    """TRL's GRPOTrainer with the settings of one of our recipes (``settings["recipe"]`` plus
+    ``settings["overrides"]``, the ``--set`` list of our run): the same model, task prompts in
+    the order our data source draws them, reward (the task's ``score``), group size, prompts
+    per step, max new tokens, temperature and top-p, AdamW settings, clip ranges, KL coefficient
+    (with ``use_reference``) and loss averaging; ``settings["steps"]`` optimizer steps. No
+    held-out eval: per step it records the wall and process-CPU seconds and the mean reward."""
+    import dataclasses
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig
+
+    from rl_core import registry
+    from rl_core.algorithms.losses import PolicyLoss
+    from rl_core.config import OptimizerConfig
+    from rl_trainer.build import build_task, data_specs
+    from rl_trainer.cli import recipe_path
+    from rl_trainer.config import load_trainer_config
+
+    torch.set_num_threads(settings.get("trl_threads", 1))
+    work = Path(settings["work_dir"])
+    cfg = load_trainer_config(
+        recipe_path(settings["recipe"]), [*settings["overrides"], f"run_dir={work / 'trl_run'}"]
+    )
+    steps, P, G = settings["steps"], cfg.rollout.prompts_per_step, cfg.rollout.n_samples
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    task = build_task(cfg)
+    train_spec, _ = data_specs(cfg, task, data_dir=work / "trl_data")
+    src = registry.build("data_source", train_spec, field="data.train", tokenizer=tok)
+    drawn = src.next_prompts(steps * P)  # our trainer's draws, P per step, in order
+    check_prompt_tokens(tok, drawn)
+    dataset = Dataset.from_list([{"prompt": p.input, "label": p.label} for p in drawn])
+    counts: dict[str, Any] = {}
+    reward_fn = counting_reward(
+        lambda c, lab: task.score(c.strip(), lab)["reward"], tok.eos_token_id, counts
+    )
+    reward_fn.__name__ = "task_reward"
+    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    opt = OptimizerConfig(**{k: v for k, v in cfg.policy.options.items() if k in names})
+    loss = PolicyLoss.Config(**cfg.algorithm.loss)
+    if loss.variant != "ppo" or opt.warmup_steps or cfg.rollout.sampling.top_k:
+        raise SystemExit("trl_recipe: needs loss.variant ppo, no warm-up and top_k 0")
+    sampling = cfg.rollout.sampling
+    config = grpo_config(
+        GRPOConfig,
+        str(work / "trl_out"),
+        seed=cfg.seed,
+        prompts_per_step=P,
+        n_samples=G,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        lr=opt.lr,
+        steps=steps,
+        eps_low=loss.eps_clip_low,
+        eps_high=loss.eps_clip_high if loss.eps_clip_high is not None else loss.eps_clip_low,
+        beta=loss.kl_coef if cfg.algorithm.use_reference else 0.0,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        weight_decay=opt.weight_decay,
+        grad_clip=opt.grad_clip,
+        loss_type=TRL_LOSS_TYPES[cfg.algorithm.aggregation],
+        optim="adamw_torch",
+        gradient_checkpointing=bool(cfg.policy.options.get("activation_checkpointing", False)),
+    )
+    timing: dict[str, list[float]] = {"step_s": [], "step_cpu_s": []}
+
+    class StepClock(TrainerCallback):
+        """Wall and process-CPU seconds of every optimizer step (generation included)."""
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.begun = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            timing["step_s"].append(time.perf_counter() - self.begun[0])
+            timing["step_cpu_s"].append(time.process_time() - self.begun[1])
+
+    phase = {"rollout_s": 0.0}
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    trainer = timed_grpo_trainer(model, reward_fn, config, dataset, tok, StepClock(), phase)
+    trainer.train()
+    _write(
+        out,
+        {
+            "system": "trl",
+            "steps": trainer.state.global_step,
+            "samples": counts.get("samples", 0),
+            "response_tokens": counts.get("response_tokens", 0),
+            "step_s": timing["step_s"],
+            "step_cpu_s": timing["step_cpu_s"],
+            "rollout_s": phase["rollout_s"],
+            "reward_per_step": counts.get("reward_per_call", []),
+            "logged_reward_per_step": [
+                h.get("reward") for h in trainer.state.log_history if "reward" in h
+            ],
+            "trl_config": {
+                k: getattr(config, k)
+                for k in (
+                    "per_device_train_batch_size",
+                    "num_generations",
+                    "max_completion_length",
+                    "temperature",
+                    "top_p",
+                    "learning_rate",
+                    "adam_beta1",
+                    "adam_beta2",
+                    "adam_epsilon",
+                    "weight_decay",
+                    "max_grad_norm",
+                    "beta",
+                    "epsilon",
+                    "epsilon_high",
+                    "loss_type",
+                    "scale_rewards",
+                    "optim",
+                    "gradient_checkpointing",
+                    "seed",
+                )
+            },
+        },
+    )
+
+
 def main() -> None:
     """``_e2e_worker.py MODE SETTINGS_JSON OUT_JSON``."""
     mode, settings_path, out = sys.argv[1:4]
@@ -377,8 +590,10 @@ def main() -> None:
         run_ours(settings, out)
     elif mode == "trl":
         run_trl(settings, out)
+    elif mode == "trl_recipe":
+        run_trl_recipe(settings, out)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use sft, ours or trl")
+        raise SystemExit(f"unknown mode {mode!r}: use sft, ours, trl or trl_recipe")
 
 
 if __name__ == "__main__":

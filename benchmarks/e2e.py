@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "e2e.json"
 WORKER = HERE / "_e2e_worker.py"
-OUR_PACKAGES = ("packages/rl-core", "packages/rl-buffer", "apps/trainer")
+OUR_PACKAGES = ("packages/rl-core", "packages/rl-buffer", "packages/rl-hf", "apps/trainer")
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0", "accelerate", "datasets")
 
 

@@ -45,6 +45,7 @@ def test_demo_recipe_learns(tmp_path, cli):
         "train/kl",
         "train/entropy",
         "perf/step_time",
+        "perf/step_cpu_s",
         "perf/rollout_tokens_per_s",
         "perf/train_tokens_per_s",
     }

@@ -281,6 +281,8 @@ def test_report_has_step_time_staleness_and_mismatch_panels(dumped_run):
     # The stack's top equals the parts' sum at each RL step.
     (stack_top,) = [c for c in step_time.collections][-1:]
     rl = [r for r in records if r["phase"] == "rl" and r["step"]]
+    # Each RL step also reports this process's CPU seconds (benchmarks' CPU-s/sample).
+    assert all(0 < r["perf/step_cpu_s"] < 10 * r["perf/step_time"] + 1 for r in rl)
     tops = stack_top.get_paths()[0].vertices[:, 1].max()
     assert tops == pytest.approx(
         max(sum(r.get(k) or 0.0 for k, _ in STEP_TIME) for r in rl), rel=1e-6

@@ -124,7 +124,7 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
     """One RL step through the stages; the rollouts come from this step's round (produced now,
     or ahead of time by the pipeline)."""
     cfg = trainer.config
-    t_step = time.perf_counter()
+    t_step, c_step = time.perf_counter(), time.process_time()
     step = trainer.state["rl_step"] + 1
     if trainer.policy.version != trainer.train_version(step):
         raise RLError(
@@ -163,6 +163,8 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
         record["perf/rollout_wait"] = wait
     trainer.state["rl_step"] = step
     record["perf/step_time"] = time.perf_counter() - t_step
+    # CPU seconds of this process (all its threads; not an external engine's) over the step.
+    record["perf/step_cpu_s"] = time.process_time() - c_step
     return record
 
 
