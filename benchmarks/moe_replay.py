@@ -135,8 +135,7 @@ def _measure(model_dir: Path, policy: HFPolicy, case: str, args: argparse.Namesp
     }
 
 
-def main() -> None:
-    """Run every case, print the table and write :data:`RESULTS`."""
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4)
@@ -151,7 +150,11 @@ def main() -> None:
         default=None,
         help="a Qwen3-MoE directory (e.g. a moe_demo run's final_model); default: TINY_MOE, random",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run every case and print the table; the result (what :func:`main` writes)."""
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or build_tiny_model(Path(tmp) / "moe", TINY_MOE)
@@ -173,12 +176,24 @@ def main() -> None:
             f"{r['routing_mismatch_replay_used']:>9.4f} {r['logprob_mismatch_no_replay']:>11.2e} "
             f"{r['logprob_mismatch_replay']:>15.2e} {r['bytes_per_token']:>9d}"
         )
-    out = {
+    return {
         "model": str(args.model) if args.model else dataclasses.asdict(TINY_MOE),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "torch": torch.__version__,
         "cases": rows,
     }
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Measure with the command-line defaults (or ``argv``) without writing a file: the
+    routing-replay section of ``benchmarks/moe.py``."""
+    return measure(_parser().parse_args(argv or []))
+
+
+def main() -> None:
+    """Run every case, print the table and write :data:`RESULTS` (``--out``)."""
+    args = _parser().parse_args()
+    out = measure(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -19,7 +19,8 @@ def test_unfuse_splits_gate_up_and_down_per_expert_and_passes_the_rest() -> None
     ]
     assert has_fused_experts(n for n, _ in named)
     out = dict(unfuse_expert_tensors(named))
-    assert list(out)[0] == "model.layers.1.mlp.gate.weight" and out[list(out)[0]] is router
+    first = next(iter(out))
+    assert first == "model.layers.1.mlp.gate.weight" and out[first] is router
     assert len(out) == 1 + 3 * e
     for i in range(e):
         p = f"model.layers.1.mlp.experts.{i}."
