@@ -27,12 +27,10 @@ policy's learning rate (or ``sft.lr``). ``eval/loss`` (mean assistant-token NLL 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rl_core import registry
-from rl_core.algorithms import SFTLoss
 from rl_core.errors import DataError
 from rl_core.types import Prompt, Rollout
 from rl_trainer.stages import plan_and_pack
@@ -46,7 +44,6 @@ __all__ = [
     "eval_due",
     "eval_loss",
     "eval_rollouts",
-    "step",
 ]
 
 
@@ -143,28 +140,6 @@ def chat_rollouts(prompts: Sequence[Prompt], tokenizer: Any, version: int) -> li
             )
         )
     return out
-
-
-def step(trainer: Trainer) -> dict[str, Any]:
-    """One SFT step on ``sft.batch_size`` conversations; returns its metrics."""
-    cfg = trainer.config
-    t0 = time.perf_counter()
-    prompts = trainer.parts.train_data.next_prompts(cfg.sft.batch_size)
-    rollouts = chat_rollouts(prompts, trainer.tokenizer, trainer.policy.version)
-    batch, _ = plan_and_pack(rollouts, trainer.policy, cfg.rl.max_tokens_per_micro_batch)
-    m = trainer.policy.train_step(batch, SFTLoss())
-    dt = time.perf_counter() - t0
-    trainer.state["sft_step"] += 1
-    return {
-        "step": trainer.state["sft_step"],
-        "phase": "sft",
-        "train/loss": m["loss"],
-        "train/grad_norm": m["grad_norm"],
-        "train/lr": m["lr"],
-        "train/assistant_tokens": float(batch.loss_mask.sum()),
-        "perf/step_time": dt,
-        "perf/train_tokens_per_s": batch.num_tokens / dt,
-    }
 
 
 def eval_due(trainer: Trainer) -> bool:

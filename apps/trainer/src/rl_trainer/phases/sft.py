@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rl_core.algorithms import SFTLoss
@@ -41,7 +41,7 @@ async def run(trainer: Trainer) -> bool:
         trainer.emit({"step": 0, "phase": "sft", **chat_sft.eval_loss(trainer, held_out)})
     saved = False
     while trainer.state["sft_step"] < cfg.sft.steps:
-        rec = chat_sft.step(trainer) if chat else sft_step(trainer)
+        rec = sft_step(trainer, chat_sft.chat_rollouts if chat else sft_rollouts)
         if chat and chat_sft.eval_due(trainer):
             rec.update(chat_sft.eval_loss(trainer, held_out))
         trainer.emit(rec)
@@ -95,12 +95,17 @@ def sft_rollouts(prompts: Sequence[Prompt], tokenizer: Any, version: int) -> lis
     return out
 
 
-def sft_step(trainer: Trainer) -> dict[str, Any]:
-    """One warm-up step on ``sft.batch_size`` labelled prompts; returns its metrics."""
+def sft_step(
+    trainer: Trainer,
+    rollouts_of: Callable[[Sequence[Prompt], Any, int], list[Rollout]] = sft_rollouts,
+) -> dict[str, Any]:
+    """One step on ``sft.batch_size`` prompts made into rollouts by ``rollouts_of`` (the
+    warm-up's labelled prompts, or :func:`rl_trainer.phases.chat_sft.chat_rollouts` for chat
+    conversations); returns its metrics."""
     cfg = trainer.config
     t0 = time.perf_counter()
     prompts = trainer.parts.train_data.next_prompts(cfg.sft.batch_size)
-    rollouts = sft_rollouts(prompts, trainer.tokenizer, trainer.policy.version)
+    rollouts = rollouts_of(prompts, trainer.tokenizer, trainer.policy.version)
     batch, _ = plan_and_pack(rollouts, trainer.policy, cfg.rl.max_tokens_per_micro_batch)
     m = trainer.policy.train_step(batch, SFTLoss())
     dt = time.perf_counter() - t0
@@ -111,6 +116,8 @@ def sft_step(trainer: Trainer) -> dict[str, Any]:
         "train/loss": m["loss"],
         "train/grad_norm": m["grad_norm"],
         "train/entropy": m.get("entropy"),
+        "train/lr": m.get("lr"),
+        "train/loss_tokens": float(batch.loss_mask.sum()),
         "perf/step_time": dt,
         "perf/train_tokens_per_s": batch.num_tokens / dt,
     }
