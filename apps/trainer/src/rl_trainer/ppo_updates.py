@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rl_core.algorithms import compute_loss_weights
 from rl_core.errors import RLError
 from rl_core.types import Group, Rollout, TrainBatch
 
@@ -86,7 +85,7 @@ def take_sequences(
 def mini_batches(run: Trainer, batch: TrainBatch, groups: Sequence[Group]) -> list[TrainBatch]:
     """``batch`` split into ``rl.mini_batches_per_step`` mini-batches of whole groups (module
     docstring), each re-planned and with its own loss weights; ``[batch]`` for one."""
-    from rl_trainer.stages import plan  # stages imports this module
+    from rl_trainer.stages import loss_weights, plan  # stages imports this module
 
     cfg = run.config
     n = cfg.rl.mini_batches_per_step
@@ -117,13 +116,7 @@ def mini_batches(run: Trainer, batch: TrainBatch, groups: Sequence[Group]) -> li
             micro_batch_bounds=bounds,
             dp_bounds=dp_bounds,
         )
-        mb.loss_weights = compute_loss_weights(
-            mb.loss_mask,
-            mb.cu_seqlens,
-            mode=alg.aggregation,
-            rollout_ids=[r.rollout_id for r in rollouts],
-            constant=alg.aggregation_constant,
-        ).to(mb.loss_mask.device)
+        mb.loss_weights = loss_weights(mb, rollouts, alg)
         out.append(mb)
     return out
 

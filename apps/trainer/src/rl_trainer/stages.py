@@ -351,6 +351,18 @@ def _episode_advantages(
     return out
 
 
+def loss_weights(batch: TrainBatch, rollouts: Sequence[Rollout], alg: Any) -> torch.Tensor:
+    """Per-token loss weights of ``batch`` (whose sequences are ``rollouts``, in order) under
+    ``alg.aggregation`` (``algorithm`` section), on the loss mask's device."""
+    return compute_loss_weights(
+        batch.loss_mask,
+        batch.cu_seqlens,
+        mode=alg.aggregation,
+        rollout_ids=[r.rollout_id for r in rollouts],
+        constant=alg.aggregation_constant,
+    ).to(batch.loss_mask.device)
+
+
 def rl_batch(
     run: Trainer, groups: Sequence[Group], metrics: dict[str, Any] | None = None
 ) -> TrainBatch:
@@ -381,13 +393,7 @@ def rl_batch(
     batch.advantages = scatter_response(rollouts, adv) * batch.loss_mask
     if returns is not None:
         batch.returns = scatter_response(rollouts, returns) * batch.loss_mask
-    batch.loss_weights = compute_loss_weights(
-        batch.loss_mask,
-        batch.cu_seqlens,
-        mode=alg.aggregation,
-        rollout_ids=[r.rollout_id for r in rollouts],
-        constant=alg.aggregation_constant,
-    )
+    batch.loss_weights = loss_weights(batch, rollouts, alg)
     # The engine's routing stays on the batch; the policies see it only under replay.
     mode = cfg.rollout.routing_replay
     if run.reference is not None:
