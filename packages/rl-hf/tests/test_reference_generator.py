@@ -69,6 +69,16 @@ def _teacher_forced(
     return torch.log_softmax(z_RV, -1)
 
 
+def _assert_logprobs_exact(gen: HFGenerator, prompt: Sequence[int], q, r) -> torch.Tensor:
+    """Assert ``r``'s log-probs are the teacher-forced ones of request ``q`` (its sampling's
+    temperature, top-p and top-k) within 1e-4; returns the reference ``[R, V]`` log-probs."""
+    s = q.sampling
+    ref_RV = _teacher_forced(gen.model, prompt, r.output_ids, s.temperature, s.top_p, s.top_k)
+    want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
+    return ref_RV
+
+
 # ---------------------------------------------------------------------------------- suites
 
 
@@ -173,16 +183,7 @@ def test_logprobs_equal_teacher_forcing_in_mixed_batch(
     reqs = _mixed_batch()
     res = asyncio.run(gen.generate(reqs))
     for q, r in zip(reqs, res):
-        ref_RV = _teacher_forced(
-            gen.model,
-            q.input_ids,
-            r.output_ids,
-            q.sampling.temperature,
-            q.sampling.top_p,
-            q.sampling.top_k,
-        )
-        want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
+        ref_RV = _assert_logprobs_exact(gen, q.input_ids, q, r)
         if q.sampling.temperature == 0:
             assert list(r.output_ids) == ref_RV.argmax(-1).tolist()
     assert {r.finish_reason for r in res} == {FinishReason.STOP, FinishReason.LENGTH}
@@ -203,16 +204,7 @@ def test_llama_arch_mixed_batch(tmp_path: Path) -> None:
     gen = _gen(build_tiny_model(tmp_path / "llama", spec), compact_fraction=0.01)
     reqs = _mixed_batch(8)
     for q, r in zip(reqs, asyncio.run(gen.generate(reqs))):
-        ref_RV = _teacher_forced(
-            gen.model,
-            q.input_ids,
-            r.output_ids,
-            q.sampling.temperature,
-            q.sampling.top_p,
-            q.sampling.top_k,
-        )
-        want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
+        _assert_logprobs_exact(gen, q.input_ids, q, r)
     asyncio.run(gen.close())
 
 
@@ -257,16 +249,7 @@ def test_per_row_temperature_changes_distribution(tiny_path: Path) -> None:
     means = [sum(r.output_logprobs) / len(r.output_logprobs) for r in res]
     assert means[0] > means[1] > means[2], means
     for q, r in zip(reqs, res):
-        ref_RV = _teacher_forced(
-            gen.model,
-            prompt,
-            r.output_ids,
-            q.sampling.temperature,
-            q.sampling.top_p,
-            q.sampling.top_k,
-        )
-        want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
+        _assert_logprobs_exact(gen, prompt, q, r)
     asyncio.run(gen.close())
 
 
@@ -382,16 +365,7 @@ def test_group_batch_shares_prefill(tiny_path: Path) -> None:
     ]
     res = asyncio.run(gen.generate(reqs))
     for q, r in zip(reqs, res):
-        ref_RV = _teacher_forced(
-            gen.model,
-            q.input_ids,
-            r.output_ids,
-            q.sampling.temperature,
-            q.sampling.top_p,
-            q.sampling.top_k,
-        )
-        want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
+        _assert_logprobs_exact(gen, q.input_ids, q, r)
     assert len({r.output_ids for r in res[:4]}) > 1, "samples of one prompt are all equal"
     (alone,) = asyncio.run(gen.generate([reqs[5]]))
     assert alone.output_ids == res[5].output_ids
