@@ -1,4 +1,5 @@
-"""SGLangTeacher: the session's real SGLang server scores given tokens as transformers does."""
+"""SGLangTeacher: the session's real SGLang server scores given tokens as transformers does. (The
+name sorts before the modules that own their server: the session server is stopped for those.)"""
 
 from __future__ import annotations
 
