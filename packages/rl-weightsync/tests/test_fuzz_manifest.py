@@ -10,6 +10,7 @@ count) and the local checkpoint exactly as they were, or it loads exactly the pu
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from functools import cache
@@ -111,7 +112,8 @@ def _apply_edit(m: dict[str, Any], edit: tuple[str, ...]) -> None:
         rows.pop(i % len(rows))
     elif op == "remove_tensor" and row:  # entry and name: consistent apart from the payload
         rows.remove(row)
-        m["names"].remove(row["name"])
+        if row["name"] in m["names"]:  # an earlier drop_name may have taken it
+            m["names"].remove(row["name"])
     elif op == "add_tensor" and row:
         name = f"{row['name']}.{text}"
         if name not in m["names"]:
@@ -212,8 +214,14 @@ def _check(kind: str, damage: Any) -> None:
         assert_bitwise_equal(target.tensors, W2)
 
 
+# Derandomized so a fresh-clone CI run is reproducible (a random draw once found a bug in the
+# edit helper above, not in the library); RL_FUZZ_RANDOM=1 explores new examples.
 FUZZ = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    database=None,
+    derandomize=os.environ.get("RL_FUZZ_RANDOM") != "1",
 )
 
 
