@@ -400,7 +400,7 @@ def rl_batch(
         batch.ref_logprobs = run.reference.compute_logprobs(
             routing.for_policy(batch, mode)
         ).logprobs
-    if getattr(run, "teacher", None) is not None:
+    if run.teacher is not None:
         distill_metrics = teacher.distill(run, batch)
         if metrics is not None:
             metrics.update(distill_metrics)
