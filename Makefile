@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
-EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test,gguf]" -e "packages/rl-agents[test]" \
+EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test,gguf,lora]" -e "packages/rl-agents[test]" \
              -e "packages/rl-buffer[parquet,datasets]" \
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"

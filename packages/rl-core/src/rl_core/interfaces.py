@@ -25,10 +25,11 @@ import abc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from rl_core.errors import ConfigError
 from rl_core.types import (
     AdvantageInputs,
     GenerationRequest,
@@ -43,6 +44,9 @@ from rl_core.types import (
     TrainBatch,
     WeightUpdate,
 )
+
+if TYPE_CHECKING:
+    from rl_core.lora import LoRAConfig
 
 __all__ = [
     "AdvantageFn",
@@ -139,6 +143,38 @@ class Policy(abc.ABC):
 
     def onload(self) -> None:  # noqa: B027 - optional capability
         """Undo :meth:`offload`; default no-op."""
+
+    # LoRA (rl_core.lora): a policy built with ``lora`` trains adapters only, the base frozen.
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The adapter settings this policy trains with, or ``None`` (full fine-tuning).
+
+        With LoRA, :meth:`named_weights` still yields the *merged* full weights (what a generator
+        without adapter support loads), :meth:`named_adapter_weights` the adapter alone."""
+        return None
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) adapter tensors in peft naming (:func:`rl_core.lora.peft_name`).
+
+        Raises:
+            ConfigError: the policy has no LoRA adapter (``policy.lora`` is not set).
+        """
+        raise ConfigError(
+            f"{type(self).__name__} has no LoRA adapter: set policy.lora (e.g. {{rank: 8}}) to "
+            "train and publish adapters."
+        )
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
+        """Log-probs ``[T]`` of the frozen base model (adapters disabled): the reference of the
+        KL term, with no second copy of the base in memory.
+
+        Raises:
+            ConfigError: the policy has no LoRA adapter.
+        """
+        raise ConfigError(
+            f"{type(self).__name__} has no LoRA adapter to disable: the base-model log-probs "
+            "need policy.lora; without it build a separate reference model."
+        )
 
 
 class Critic(abc.ABC):
