@@ -1,0 +1,312 @@
+"""SGLang topologies (``generator: {type: sglang_topology}``): group validation, each group's
+command line, and how the topology routes requests and weight updates to its groups (fake
+groups). No server is started."""
+
+from __future__ import annotations
+
+import asyncio
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rl_core import registry
+from rl_core.config import ComponentSpec, from_dict
+from rl_core.errors import ConfigError
+from rl_core.testing import FakeGenerator
+from rl_core.types import GenerationRequest, SamplingParams, WeightUpdate
+from rl_sglang import SGLangGenerator, SGLangTopology
+from rl_sglang.topology import GroupPlan
+
+MODEL = "/models/policy"
+
+
+def _cfg(groups: list[dict[str, Any]], **kw: Any) -> SGLangTopology.Config:
+    """The topology config as rl-train builds it: recipe options plus the run's model path."""
+    return from_dict(
+        SGLangTopology.Config,
+        {"model_path": MODEL, "seed": 7, "groups": groups, **kw},
+        path="generator",
+    )
+
+
+def _plans(groups: list[dict[str, Any]], **kw: Any) -> dict[str, GroupPlan]:
+    return {p.name: p for p in _cfg(groups, **kw).plan()}
+
+
+TWO = [
+    {"name": "policy", "num_servers": 2, "use_router": True},
+    {"name": "judge", "serves_policy": False, "model_path": "/models/judge"},
+]
+
+
+def test_groups_inherit_defaults_and_keep_their_own_options() -> None:
+    """``defaults`` reach every group, a group's own options win (``server_args`` merged key by
+    key), policy groups serve the run's model, and each group logs in its own directory."""
+    plans = _plans(
+        [
+            *TWO,
+            {"name": "remote", "server_urls": ["http://10.0.0.5:30000/"]},
+            {"name": "mixed", "num_servers": 1, "server_urls": ["http://10.0.0.6:30000"]},
+        ],
+        defaults={
+            "python": "/venv/bin/python",
+            "log_dir": "/logs",
+            "max_concurrency": 16,
+            "server_args": {"log_level": "warning", "max_total_tokens": 4096},
+        },
+    )
+    policy, judge, remote, mixed = (plans[n] for n in ("policy", "judge", "remote", "mixed"))
+    assert [p.serves_policy for p in plans.values()] == [True, False, True, True]
+    assert policy.config.model_path == MODEL and judge.config.model_path == "/models/judge"
+    assert (policy.config.num_servers, policy.config.use_router) == (2, True)
+    assert not judge.config.use_router and judge.config.num_servers == 1
+    assert all(p.config.max_concurrency == 16 for p in plans.values())
+    assert policy.config.log_dir == "/logs/policy" and judge.config.log_dir == "/logs/judge"
+    assert [p.config.seed for p in plans.values()] == [7, 8, 9, 10]
+    # External engines: attach-only without num_servers, launched + registered with it.
+    assert remote.config.server_urls == ("http://10.0.0.5:30000",)
+    assert remote.config.external_urls == ()
+    assert mixed.config.server_urls == () and mixed.config.num_servers == 1
+    assert mixed.config.external_urls == ("http://10.0.0.6:30000",)
+    merged = _plans(
+        [{"name": "a", "server_args": {"max_total_tokens": 2048, "chunked_prefill_size": 512}}],
+        defaults={"server_args": {"log_level": "warning", "max_total_tokens": 4096}},
+    )["a"]
+    assert merged.config.server_args == {
+        "log_level": "warning",
+        "max_total_tokens": 2048,
+        "chunked_prefill_size": 512,
+    }
+
+
+def test_command_line_per_group() -> None:
+    """Each group's launched servers run with that group's model and options only."""
+    plans = _plans(
+        [
+            {"name": "policy", "server_args": {"max_total_tokens": 2048}},
+            {
+                "name": "judge",
+                "serves_policy": False,
+                "model_path": "/models/judge",
+                "server_args": {"chunked_prefill_size": 256},
+                "initial_version": 5,
+            },
+            {
+                "name": "gpu",
+                "serves_policy": False,
+                "model_path": "/models/big",
+                "device": "cuda",
+                "num_servers": 2,
+                "tp_size": 2,
+                "mem_fraction_static": 0.6,
+            },
+        ],
+        defaults={"server_args": {"log_level": "warning"}},
+    )
+
+    def argv(name: str, index: int = 0) -> str:
+        return " ".join(
+            plans[name].argv(index, python="/venv/bin/python", port=30000, nccl_port=40000)
+        )
+
+    policy, judge = argv("policy"), argv("judge")
+    assert policy.startswith("/venv/bin/python -m sglang.launch_server --model-path /models/policy")
+    for flag in ("--device cpu", "--max-total-tokens 2048", "--log-level warning", "--dtype"):
+        assert flag in policy
+    assert "--chunked-prefill-size" not in policy and "--weight-version 0" in policy
+    assert "--model-path /models/judge" in judge and "--weight-version 5" in judge
+    assert "--chunked-prefill-size 256" in judge and "--max-total-tokens 2048" not in judge
+    gpu0, gpu1 = argv("gpu", 0), argv("gpu", 1)
+    assert "--device cuda" in gpu0 and "--tp-size 2" in gpu0 and "--mem-fraction-static 0.6" in gpu0
+    assert "--base-gpu-id" not in gpu0 and "--base-gpu-id 2" in gpu1
+    assert "--dtype" not in gpu0  # CPU defaults stay on CPU groups
+
+
+@pytest.mark.parametrize(
+    ("groups", "extra", "message"),
+    [
+        ([], {}, "generator.groups: declare at least one group"),
+        ([{"num_servers": 1}], {}, "generator.groups[0].name: every group needs a name"),
+        ([{"name": "a b"}], {}, "generator.groups[0].name"),
+        ([{"name": "a"}, {"name": "a"}], {}, "generator.groups[1].name: 'a' is already"),
+        (
+            [{"name": "a", "num_servers": 0}],
+            {},
+            "generator.groups[0] ('a'): neither servers to launch",
+        ),
+        (
+            [
+                {"name": "a", "server_urls": ["http://h:1"]},
+                {"name": "b", "server_urls": ["http://h:1/"]},
+            ],
+            {},
+            "generator.groups[1].server_urls: http://h:1 is already in group 'a'",
+        ),
+        (
+            [{"name": "a", "model_path": "/models/other"}],
+            {},
+            "generator.groups[0] ('a').model_path: /models/other differs from the policy's",
+        ),
+        (
+            [{"name": "j", "serves_policy": False}],
+            {},
+            "generator.groups: no group serves the policy",
+        ),
+        (
+            [{"name": "a"}, {"name": "b", "initial_version": 3}],
+            {},
+            "different initial_version",
+        ),
+        (
+            [
+                {"name": "a", "server_urls": ["http://h:1"], "model_path": "/m1"},
+                {"name": "b", "server_urls": ["http://h:2"], "model_path": "/m2"},
+            ],
+            {"model_path": ""},
+            "the groups serving the policy name different model_path values",
+        ),
+        (TWO, {"default_group": "nope"}, "generator.default_group: no group named 'nope'"),
+        (TWO, {"default_group": "judge"}, "generator.default_group: 'judge' does not serve"),
+        ([{"name": "a"}], {"defaults": {"name": "x"}}, "generator.defaults.name: belongs to one"),
+        ([{"name": "a"}], {"defaults": {"server_urls": ["http://h:1"]}}, "defaults.server_urls"),
+        ([{"name": "a"}], {"defaults": {"model_path": "/m"}}, "generator.defaults.model_path"),
+        ([{"name": "a"}], {"defaults": {"num_server": 2}}, "defaults.num_server: unknown option"),
+        ([{"name": "a", "num_server": 2}], {}, "generator.groups[0] ('a').num_server: unknown"),
+        ([{"name": "a", "serves_policy": "yes"}], {}, "('a').serves_policy: true or false"),
+        ([{"name": "a", "num_servers": -1}], {}, "('a').num_servers: an integer >= 0"),
+        ([{"name": "a", "external_urls": ["http://h:1"]}], {}, "('a').external_urls: in a group"),
+        ([{"name": "a", "server_args": [1]}], {}, "('a').server_args: a table"),
+        (
+            [{"name": "a", "use_router": True, "router_url": "http://r:1"}],
+            {},
+            "generator.groups[0] ('a'): SGLangGenerator.Config: use_router launches a router",
+        ),
+        (
+            [{"name": "a", "tp_size": 2}],
+            {},
+            "generator.groups[0] ('a'): SGLangGenerator.Config.tp_size: a CUDA option",
+        ),
+        # Prefill/decode disaggregation: refused with the reason for the device.
+        (
+            [{"name": "p", "worker_type": "prefill"}],
+            {},
+            "('p').worker_type: 'prefill' asks for prefill/decode disaggregation, but SGLang "
+            "has no prefill/decode disaggregation on CPU",
+        ),
+        (
+            [{"name": "d", "device": "cuda", "server_args": {"disaggregation_mode": "decode"}}],
+            {},
+            "('d').server_args.disaggregation_mode: 'decode' asks for prefill/decode "
+            "disaggregation, but rl-sglang does not drive SGLang's PD mode",
+        ),
+        ([{"name": "a", "worker_type": "encoder"}], {}, "('a').worker_type: 'encoder' is not one"),
+    ],
+)
+def test_invalid_topologies_name_the_field_and_the_fix(
+    groups: list[dict[str, Any]], extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        _cfg(groups, **extra)
+    assert message in str(info.value)
+
+
+def test_registered_as_a_generator_and_validated_like_one() -> None:
+    """``sglang_topology`` is the package's entry point (as rl-train resolves it after
+    installation) and the registry validates its options like any component's."""
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    ref = meta["project"]["entry-points"]["rl.generators"]["sglang_topology"]
+    assert registry.load_object(ref) is SGLangTopology
+    with pytest.raises(ConfigError, match=r"groups\[0\] \('a'\): launches 1 server\(s\) but"):
+        registry.build(
+            "generator",
+            ComponentSpec(type=ref, options={"groups": [{"name": "a"}, {"name": "a"}]}),
+            field="generator",
+        )
+
+
+class _Group(FakeGenerator):
+    """A fake group that records what it was asked to do."""
+
+    def __init__(self, config: SGLangGenerator.Config) -> None:
+        super().__init__()
+        self.group_config = config
+        self.calls: list[str] = []
+        self.closed = False
+
+    async def generate(self, requests):  # type: ignore[no-untyped-def]
+        self.calls.append("generate")
+        return await super().generate(requests)
+
+    async def update_weights(self, update, transport):  # type: ignore[no-untyped-def]
+        self.calls.append(f"update:{update.version}")
+        self._version = update.version
+
+    @property
+    def weight_version(self) -> int:
+        return getattr(self, "_version", 0)
+
+    async def pause(self, mode: str | None = None) -> None:
+        self.calls.append(f"pause:{mode}")
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+
+    async def abort(self, request_ids=None) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append("abort")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_requests_go_to_the_default_group_and_updates_to_every_policy_group() -> None:
+    """``generate`` samples the default group; ``group(name)`` reaches any group; weight
+    updates, pause and abort reach the groups serving the policy and never the judge."""
+    groups = [
+        {"name": "judge", "serves_policy": False, "model_path": "/models/judge"},
+        {"name": "policy"},
+        {"name": "replica", "server_urls": ["http://10.0.0.5:30000"]},
+    ]
+    topo = SGLangTopology(_cfg(groups), make_group=_Group)
+    judge, policy, replica = (topo.group(n) for n in ("judge", "policy", "replica"))
+    assert list(topo.groups) == ["judge", "policy", "replica"]
+    assert topo.default_group == "policy" and topo.policy_groups == ("policy", "replica")
+    assert judge.group_config.model_path == "/models/judge"  # type: ignore[attr-defined]
+
+    req = GenerationRequest(
+        request_id="r0", input_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=2)
+    )
+    (res,) = asyncio.run(topo.generate([req]))
+    assert res.request_id == "r0"
+    asyncio.run(judge.generate([req]))
+    update = WeightUpdate(version=1, base_version=None, transport="inprocess")
+    asyncio.run(topo.update_weights(update, transport=None))  # type: ignore[arg-type]
+    asyncio.run(topo.pause("retract"))
+    asyncio.run(topo.resume())
+    asyncio.run(topo.abort())
+    assert policy.calls == ["generate", "update:1", "pause:retract", "resume", "abort"]  # type: ignore[attr-defined]
+    assert replica.calls == ["update:1", "pause:retract", "resume", "abort"]  # type: ignore[attr-defined]
+    assert judge.calls == ["generate"]  # type: ignore[attr-defined]
+    assert topo.weight_version == 1 and judge.weight_version == 0
+    with pytest.raises(ConfigError, match=r"no group named 'teacher'.*\['judge', 'policy'"):
+        topo.group("teacher")
+    asyncio.run(topo.close())
+    assert all(g.closed for g in topo.groups.values())  # type: ignore[attr-defined]
+
+
+def test_a_group_that_fails_to_start_stops_the_others() -> None:
+    started: list[_Group] = []
+
+    def make(config: SGLangGenerator.Config) -> _Group:
+        if config.model_path == "/models/judge":
+            raise ConfigError("SGLangGenerator.Config.python: /nope does not exist")
+        g = _Group(config)
+        g._finalizer = lambda: setattr(g, "closed", True)  # type: ignore[attr-defined]
+        started.append(g)
+        return g
+
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        SGLangTopology(_cfg(TWO), make_group=make)
+    assert "generator.groups 'judge'" in "".join(getattr(info.value, "__notes__", []))
+    assert [g.closed for g in started] == [True]
