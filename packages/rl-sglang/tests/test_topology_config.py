@@ -310,3 +310,49 @@ def test_a_group_that_fails_to_start_stops_the_others() -> None:
         SGLangTopology(_cfg(TWO), make_group=make)
     assert "generator.groups 'judge'" in "".join(getattr(info.value, "__notes__", []))
     assert [g.closed for g in started] == [True]
+
+
+def test_judged_rollout_calls_both_groups() -> None:
+    """The example rollout function samples answers from the default (policy) group and asks the
+    judge group about prompt + answer; the verdict lands in the rollout's metadata."""
+    from rl_core.interfaces import RolloutContext
+    from rl_core.types import Prompt
+    from rl_sglang.examples.judged import JudgedRollout
+
+    topo = SGLangTopology(_cfg(TWO), make_group=_Group)
+    seen: list[tuple[int, ...]] = []
+    judge = topo.group("judge")
+    plain_generate = judge.generate
+
+    async def record(requests):  # type: ignore[no-untyped-def]
+        seen.extend(r.input_ids for r in requests)
+        return await plain_generate(requests)
+
+    judge.generate = record  # type: ignore[method-assign]
+    prompt = Prompt(uid="p0", input="x", token_ids=(3, 4, 5))
+    ctx = RolloutContext(
+        generator=topo,
+        tokenizer=None,  # type: ignore[arg-type]
+        sampling=SamplingParams(max_new_tokens=3, seed=11),
+        n_samples=2,
+        policy_version=0,
+    )
+    fn = JudgedRollout(JudgedRollout.Config(judge_tokens=2))
+    rollouts = asyncio.run(fn(prompt, ctx))
+    assert [r.sample_id for r in rollouts] == ["p0/0", "p0/1"]
+    assert topo.group("policy").calls == ["generate"]  # type: ignore[attr-defined]
+    for r, judged in zip(rollouts, seen):
+        assert judged == r.tokens  # the judge saw prompt + answer
+        verdict = r.metadata["judge"]
+        assert verdict["group"] == "judge" and 1 <= len(verdict["tokens"]) <= 2
+    ctx.generator = _Group(SGLangGenerator.Config(model_path=MODEL))
+    with pytest.raises(ConfigError, match="use generator type sglang_topology"):
+        asyncio.run(fn(prompt, ctx))
+    asyncio.run(topo.close())
+
+
+def test_external_urls_and_server_urls_are_exclusive() -> None:
+    with pytest.raises(ConfigError, match="SGLangGenerator.Config.external_urls: registers"):
+        SGLangGenerator.Config(server_urls=("http://h:1",), external_urls=("http://h:2",))
+    c = SGLangGenerator.Config(model_path=MODEL, external_urls=("http://h:2/",))
+    assert c.external_urls == ("http://h:2",) and c.num_servers == 1

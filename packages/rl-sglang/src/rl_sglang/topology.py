@@ -127,6 +127,9 @@ class SGLangTopology(Generator):
     """An instance says ``True`` only when every policy group can release memory."""
     supports_routing: ClassVar[bool] = True
     """An instance says what its default group says."""
+    one_per_run: ClassVar[bool] = True
+    """It launches and owns every group itself, so a run builds exactly one (rl-train on Ray:
+    ``runtime.generator.count: 0``, the topology runs in the driver)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
