@@ -5,6 +5,9 @@ groups). No server is started."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,8 @@ from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import ConfigError
 from rl_core.testing import FakeGenerator
 from rl_core.types import GenerationRequest, SamplingParams, WeightUpdate
-from rl_sglang import SGLangGenerator, SGLangTopology
+from rl_sglang import ManagedProcess, ServerArgs, SGLangGenerator, SGLangTopology
+from rl_sglang.server import free_port, wait_healthy
 from rl_sglang.topology import GroupPlan
 
 MODEL = "/models/policy"
@@ -356,3 +360,97 @@ def test_external_urls_and_server_urls_are_exclusive() -> None:
         SGLangGenerator.Config(server_urls=("http://h:1",), external_urls=("http://h:2",))
     c = SGLangGenerator.Config(model_path=MODEL, external_urls=("http://h:2/",))
     assert c.external_urls == ("http://h:2",) and c.num_servers == 1
+
+
+FAKE_SERVER = Path(__file__).with_name("_fake_sglang_server.py")
+
+
+def _fake_process(port: int, log: Path, name: str) -> ManagedProcess:
+    return ManagedProcess(
+        [sys.executable, str(FAKE_SERVER), str(port), str(log)],
+        env=dict(os.environ),
+        log_path=log.with_suffix(".out"),
+        cwd=log.parent,
+        port=port,
+        name=name,
+    )
+
+
+def _calls(log: Path) -> list[tuple[str, Any]]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(path, body) for method, path, body in map(json.loads, lines) if method == "POST"]
+
+
+class _DiskTransport:
+    """Hands a checkpoint directory to the target, as ``disk_full`` does once verified."""
+
+    def apply(self, update: WeightUpdate, target: Any) -> None:
+        target.load_weights_from_disk("/ckpt/v1", version=update.version)
+
+
+def test_launched_and_external_servers_of_a_group(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A group with ``num_servers`` and ``server_urls`` launches its servers and registers the
+    running ones next to them: the external engine is stamped with the group's version, gets the
+    policy's weight updates with the launched server, and keeps running after close; the judge
+    group's server gets no update. (Stdlib fake servers stand in for SGLang.)"""
+    import rl_sglang.generator as generator_module
+
+    launched: list[dict[str, Any]] = []
+
+    def fake_launch(**kw: Any) -> ManagedProcess:
+        launched.append(kw)
+        log = tmp_path / f"{Path(kw['log_dir']).name}-{kw['port']}.jsonl"
+        return _fake_process(kw["port"], log, kw["name"])
+
+    monkeypatch.setattr(generator_module, "launch_server", fake_launch)
+    monkeypatch.setattr(ServerArgs, "validate", staticmethod(lambda args, **_: dict(args)))
+    ext_port = free_port()
+    ext_log = tmp_path / "external.jsonl"
+    external = _fake_process(ext_port, ext_log, "external")
+    ext_url = f"http://127.0.0.1:{ext_port}"
+    try:
+        wait_healthy(external, ext_url, timeout_s=30)
+        topo = SGLangTopology(
+            _cfg(
+                [
+                    {"name": "policy", "num_servers": 1, "server_urls": [ext_url]},
+                    {"name": "judge", "serves_policy": False},
+                ],
+                defaults={
+                    "python": sys.executable,
+                    "log_dir": str(tmp_path / "logs"),
+                    "health_interval_s": 0,
+                    "initial_version": 3,
+                },
+            )
+        )
+        policy = topo.group("policy")
+        assert isinstance(policy, SGLangGenerator)
+        assert policy.server_urls[1] == ext_url and policy.server_processes[1] is None
+        assert sorted(kw["log_dir"].name for kw in launched) == ["judge", "policy"]
+        assert {kw["weight_version"] for kw in launched} == {3}
+        assert _calls(ext_log) == [
+            ("/update_weight_version", {"new_version": "3", "abort_all_requests": False})
+        ]
+        asyncio.run(
+            topo.update_weights(
+                WeightUpdate(version=4, base_version=None, transport="disk_full"),
+                _DiskTransport(),  # type: ignore[arg-type]
+            )
+        )
+        assert topo.weight_version == 4 and topo.group("judge").weight_version == 3
+        launched_logs = {Path(kw["log_dir"]).name: kw for kw in launched}
+        policy_log = tmp_path / f"policy-{launched_logs['policy']['port']}.jsonl"
+        judge_log = tmp_path / f"judge-{launched_logs['judge']['port']}.jsonl"
+        for log in (policy_log, ext_log):
+            (path, body) = _calls(log)[-1]
+            assert path == "/update_weights_from_disk" and body["weight_version"] == "4"
+        assert not any(p == "/update_weights_from_disk" for p, _ in _calls(judge_log))
+        procs = [p for g in topo.groups.values() for p in g.server_processes if p is not None]
+        asyncio.run(topo.close())
+        assert not any(p.alive() for p in procs)
+        assert external.alive()  # external engines are never stopped
+    finally:
+        external.stop()
