@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rl_core import registry
 from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import ConfigError
 from rl_core.testing import FakeGenerator
+from rl_core.testing.generator import GeneratorConformance
 from rl_core.types import GenerationRequest, SamplingParams, WeightUpdate
 from rl_sglang import ManagedProcess, ServerArgs, SGLangGenerator, SGLangTopology
 from rl_sglang.server import free_port, wait_healthy
@@ -454,3 +456,35 @@ def test_launched_and_external_servers_of_a_group(
         assert external.alive()  # external engines are never stopped
     finally:
         external.stop()
+
+
+class TestTopologyConformance(GeneratorConformance):
+    """The topology passes the standard Generator suite: two policy groups and a judge, each a
+    :class:`FakeGenerator` on the same table (the suite's updates reach both policy groups)."""
+
+    @pytest.fixture
+    def generator(self) -> Any:
+        groups = [
+            {"name": "judge", "serves_policy": False, "model_path": "/models/judge"},
+            {"name": "a"},
+            {"name": "b", "server_urls": ["http://10.0.0.5:30000"]},
+        ]
+        topo = SGLangTopology(
+            _cfg(groups),
+            make_group=lambda _: FakeGenerator(FakeGenerator.Config(step_delay_s=2e-4)),
+        )
+        yield topo
+        asyncio.run(topo.close())
+
+    def new_weights(self, generator: Any, seed: int) -> dict[str, torch.Tensor]:
+        table = generator.group("a").table
+        return {
+            "table": table
+            + torch.randn(table.shape, generator=torch.Generator().manual_seed(seed)) * 3
+        }
+
+    def teacher_forced_logprobs(self, generator: Any, input_ids, output_ids, temperature):  # type: ignore[no-untyped-def]
+        a, b = generator.group("a"), generator.group("b")
+        assert torch.equal(a.table, b.table)  # every policy group serves the same weights
+        assert generator.group("judge").weight_version == 0
+        return a.teacher_forced_logprobs(input_ids, output_ids, temperature)

@@ -384,6 +384,16 @@ class SGLangTopology(Generator):
         """Every group's generator by name (read-only), in declaration order."""
         return MappingProxyType(self._groups)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the LM head of the default group's model."""
+        return getattr(self._groups[self.default_group], "vocab_size", None)
+
+    @property
+    def default_stop_ids(self) -> tuple[int, ...]:
+        """Stop ids the default group sends with every request."""
+        return tuple(getattr(self._groups[self.default_group], "default_stop_ids", ()))
+
     def _policy(self) -> list[Generator]:
         return [self._groups[n] for n in self.policy_groups]
 
