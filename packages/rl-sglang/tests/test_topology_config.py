@@ -87,6 +87,16 @@ def test_groups_inherit_defaults_and_keep_their_own_options() -> None:
     }
 
 
+def test_cuda_groups_on_disjoint_gpus() -> None:
+    plans = _plans(
+        [
+            {"name": "a", "device": "cuda", "num_servers": 2, "tp_size": 2},
+            {"name": "j", "device": "cuda", "serves_policy": False, "base_gpu_id": 4},
+        ]
+    )
+    assert plans["j"].config.base_gpu_id == 4
+
+
 def test_command_line_per_group() -> None:
     """Each group's launched servers run with that group's model and options only."""
     plans = _plans(
@@ -193,6 +203,16 @@ def test_command_line_per_group() -> None:
             [{"name": "a", "tp_size": 2}],
             {},
             "generator.groups[0] ('a'): SGLangGenerator.Config.tp_size: a CUDA option",
+        ),
+        (
+            [
+                {"name": "a", "device": "cuda", "num_servers": 2, "tp_size": 2},
+                {"name": "j", "device": "cuda", "serves_policy": False, "base_gpu_id": 3},
+            ],
+            {},
+            "generator.groups[1].base_gpu_id: group 'j' would launch on GPUs 3..3, which "
+            "overlap GPUs 0..3 of groups[0] ('a'); give each group its own GPUs, e.g. "
+            "base_gpu_id: 4",
         ),
         # Prefill/decode disaggregation: refused with the reason for the device.
         (

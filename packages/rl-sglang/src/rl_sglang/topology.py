@@ -186,6 +186,7 @@ class SGLangTopology(Generator):
                         )
                     url_owner[url] = plan.name
                 plans.append(plan)
+            _check_gpu_blocks(plans)
             policy = [p for p in plans if p.serves_policy]
             if not policy:
                 raise ConfigError(
@@ -483,6 +484,26 @@ def _stop_now(gen: Generator) -> None:
         asyncio.run(gen.close())
     except RuntimeError:  # inside a running loop: nothing more can be done synchronously
         log.warning("SGLangTopology: could not close %r after a failed start-up.", gen)
+
+
+def _check_gpu_blocks(plans: Sequence[GroupPlan]) -> None:
+    """Refuse groups whose launched CUDA servers would share GPUs of this node."""
+    taken: list[tuple[int, int, int, str]] = []  # first GPU, end, group index, name
+    for i, p in enumerate(plans):
+        c = p.config
+        if c.device != "cuda" or c.server_urls:
+            continue
+        first = c.base_gpu_id
+        end = first + c.num_servers * c.tp_size * c.dp_size
+        for o_first, o_end, j, other in taken:
+            if first < o_end and o_first < end:
+                raise ConfigError(
+                    f"{WHERE}.groups[{i}].base_gpu_id: group {p.name!r} would launch on GPUs "
+                    f"{first}..{end - 1}, which overlap GPUs {o_first}..{o_end - 1} of "
+                    f"groups[{j}] ({other!r}); give each group its own GPUs, e.g. base_gpu_id: "
+                    f"{o_end}."
+                )
+        taken.append((first, end, i, p.name))
 
 
 def _same_path(a: str, b: str) -> bool:
