@@ -176,6 +176,15 @@ def validate_backends(cfg: TrainerConfig, model_path: str) -> None:
     any work: a typo fails at start-up with a :class:`~rl_core.errors.ConfigError`."""
     for kind in BACKENDS:
         validate_spec(kind, backend_spec(cfg, kind, model_path))
+    gen_cls = registry.resolve(registry.GROUPS["generator"], cfg.generator.type, field="generator")
+    count = cfg.runtime.generator.count
+    if cfg.runtime.type == "ray" and count > 0 and getattr(gen_cls, "one_per_run", False):
+        raise ConfigError(
+            f"runtime.generator.count: {count} engine actors would each start generator type "
+            f"{cfg.generator.type!r}, which launches and owns all of its server groups itself; "
+            "set runtime.generator.count: 0 (it runs in the driver) and a file weight transport "
+            "(disk_full / disk_delta)."
+        )
 
 
 def validate_spec(kind: str, spec: ComponentSpec) -> None:

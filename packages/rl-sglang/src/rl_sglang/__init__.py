@@ -9,7 +9,11 @@
     await gen.update_weights(update, transport)     # disk_full, disk_delta, sglang_collective, ...
     await gen.close()
 
-Registered as ``generator: {type: sglang}`` and ``weight_transport: {type: sglang_collective}``.
+Several named server groups (one per model or role, each with its own launch options, router
+and external engines) are one generator too: :class:`SGLangTopology` (``rl_sglang.topology``).
+
+Registered as ``generator: {type: sglang}``, ``generator: {type: sglang_topology}`` and
+``weight_transport: {type: sglang_collective}``.
 """
 
 from rl_sglang.collective import SGLangCollectiveTransport, init_custom_process_group
@@ -21,6 +25,7 @@ from rl_sglang.server import (
     launch_server,
     server_argv,
 )
+from rl_sglang.topology import SGLangTopology
 from rl_sglang.version import __version__
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "ManagedProcess",
     "SGLangCollectiveTransport",
     "SGLangGenerator",
+    "SGLangTopology",
     "ServerArgs",
     "__version__",
     "init_custom_process_group",

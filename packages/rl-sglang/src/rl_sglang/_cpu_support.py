@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,20 @@ def stub_dir() -> Path:
     return sglang_home() / "cudastub"
 
 
+_STUB_LOCK = threading.Lock()
+
+
 def build_stub(directory: Path | None = None) -> Path:
     """Build ``libcuda.so.1`` from ``cudastub.c`` with the system ``gcc`` (if missing or stale).
 
-    Returns the directory to put on ``LD_LIBRARY_PATH``.
+    Returns the directory to put on ``LD_LIBRARY_PATH``. Safe to call from several threads
+    (server groups start concurrently) and processes (each writes its own temporary file).
     """
+    with _STUB_LOCK:
+        return _build_stub(directory)
+
+
+def _build_stub(directory: Path | None) -> Path:
     out_dir = directory or stub_dir()
     lib = out_dir / "libcuda.so.1"
     if lib.is_file() and lib.stat().st_mtime >= _STUB_SOURCE.stat().st_mtime:
@@ -92,7 +102,7 @@ def build_stub(directory: Path | None = None) -> Path:
             "which is not installed; install gcc or run scripts/setup_sglang_env.sh once."
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f"libcuda.so.1.{os.getpid()}.tmp")
+    tmp = lib.with_name(f"libcuda.so.1.{os.getpid()}.{threading.get_ident()}.tmp")
     subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(_STUB_SOURCE)], check=True)
     os.replace(tmp, lib)
     return out_dir

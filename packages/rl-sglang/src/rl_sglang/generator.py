@@ -124,6 +124,11 @@ class SGLangGenerator(
         """Attach to these running servers instead of launching (not owned: never stopped)."""
         num_servers: PositiveInt = 1
         """Servers to launch when ``server_urls`` is empty."""
+        external_urls: tuple[str, ...] = ()
+        """Running servers (external engines) to serve alongside the ``num_servers`` launched
+        ones, behind the same router and given the same weight updates (not owned: never
+        stopped or restarted, only waited for). They must serve ``model_path``'s model. Use
+        ``server_urls`` instead to attach without launching."""
         python: str | None = None
         """Interpreter with SGLang; ``None``: the venv of ``scripts/setup_sglang_env.sh``."""
         device: str = "cpu"
@@ -236,9 +241,16 @@ class SGLangGenerator(
                     "SGLangGenerator.Config: use_router launches a router; router_url attaches "
                     "to one. Set only one."
                 )
+            if self.server_urls and self.external_urls:
+                raise ConfigError(
+                    "SGLangGenerator.Config.external_urls: registers running servers next to "
+                    "launched ones, but server_urls attaches without launching; put every URL "
+                    "in server_urls (attach only) or drop server_urls (launch num_servers)."
+                )
             check_ranges(self, "SGLangGenerator.Config")
             self._check_launch_options()
             self.server_urls = tuple(u.rstrip("/") for u in self.server_urls)
+            self.external_urls = tuple(u.rstrip("/") for u in self.external_urls)
             self.extra_stop_token_ids = tuple(int(x) for x in self.extra_stop_token_ids)
             self.server_args = dict(self.server_args)
 
@@ -423,10 +435,14 @@ class SGLangGenerator(
             urls = [f"http://{c.host}:{p}" for p in ports]
             for proc, url in zip(procs, urls):
                 wait_healthy(proc, url, timeout_s=c.startup_timeout_s)
+            # External engines registered next to the launched servers (never owned).
+            procs += [None] * len(c.external_urls)
+            urls += list(c.external_urls)
+            ports += [_port(u) for u in c.external_urls]
         else:
             procs = [None] * len(c.server_urls)
             urls = list(c.server_urls)
-            ports = [int(u.rsplit(":", 1)[1].split("/")[0]) for u in urls]
+            ports = [_port(u) for u in urls]
 
         async def make() -> None:
             for i, (url, port, proc) in enumerate(zip(urls, ports, procs)):
@@ -436,9 +452,9 @@ class SGLangGenerator(
                 s.up = True
                 self._servers.append(s)
                 self._server_info = info
-            if not self.owned:
-                # Stamp the version the caller says these weights are.
-                await asyncio.gather(*(self._set_version(s, self._version) for s in self._servers))
+            # Stamp the version the caller says the attached servers' weights are.
+            attached = [s for s in self._servers if s.proc is None]
+            await asyncio.gather(*(self._set_version(s, self._version) for s in attached))
 
         self._io.call(make())
         if c.use_router:
@@ -497,7 +513,7 @@ class SGLangGenerator(
         (resumed if this generator paused them)."""
         if self._closed:
             return
-        if self._paused and not self.owned:
+        if self._paused and any(s.proc is None for s in self._servers):
             try:
                 await self.resume()
             except Exception as e:  # closing goes on; the servers stay paused, say so
@@ -520,6 +536,11 @@ def _cleanup(procs: list[ManagedProcess], io: IOLoop) -> None:
     for p in list(procs):
         p.stop()
     io.close()
+
+
+def _port(url: str) -> int:
+    """The port of a server URL (``http://host:port``)."""
+    return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
 def _read_json(path: Path) -> dict[str, Any]:

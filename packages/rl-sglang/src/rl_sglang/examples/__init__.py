@@ -1,0 +1,1 @@
+"""Examples of rollout functions that use rl-sglang features (server groups)."""
