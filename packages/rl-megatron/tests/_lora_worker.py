@@ -91,6 +91,22 @@ def scenario(res: dict[str, Any], job: dict[str, Any], out_dir: Path, arch: str,
     policy.train_step(mine, sft_loss)
     again = adapter(policy)
     res[f"{key}/resume_max_diff"] = max(float((second[n] - again[n]).abs().max()) for n in second)
+    res[f"{key}/second"] = second
+    del policy
+    gc.collect()
+
+
+def relayout(res: dict[str, Any], job: dict[str, Any], out_dir: Path) -> None:
+    """The TP=2 adapter checkpoint (with its optimizer state) loaded at PP=2: same adapter,
+    and the next step as the TP=2 policy's."""
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
+    policy = MegatronPolicy(
+        MegatronPolicy.Config(model_path=job["models"]["qwen2"], lr=LR, lora=lora, pp_size=2)
+    )
+    policy.load(out_dir / "ckpt_tp2_qwen2")
+    res["relayout/loaded"] = adapter(policy)
+    policy.train_step(global_batch(policy.model_shape.vocab_size), sft_loss)
+    res["relayout/second"] = adapter(policy)
     del policy
     gc.collect()
 
@@ -104,6 +120,7 @@ def main() -> None:
     scenario(res, job, out_dir, "qwen2", pp_size=2)
     scenario(res, job, out_dir, "llama", pp_size=2)
     scenario(res, job, out_dir, "qwen2", dp_size=2, use_distributed_optimizer=True)
+    relayout(res, job, out_dir)
     if torch.distributed.get_rank() == 0:
         torch.save(res, out_dir / "results.pt")
     torch.distributed.barrier()

@@ -14,6 +14,7 @@ import torch
 from rl_core.errors import CheckpointError, ConfigError
 from rl_core.lora import LoRAConfig
 from rl_core.testing.policy import PolicyConformance, random_batch, sft_loss
+from rl_megatron.critic import MegatronCritic
 from rl_megatron.policy import MegatronPolicy
 
 LR = 1e-3
@@ -129,8 +130,8 @@ def test_lora_train_step_matches_peft_adamw(model_dirs: dict[str, Path], adapter
 
 
 def test_lora_refuses_bad_settings(model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """Unknown targets, lora_init without lora, a mismatched adapter and a mixture-of-experts
-    model are named errors."""
+    """Unknown targets, lora_init without lora, a LoRA critic, a mismatched adapter and a
+    mixture-of-experts model are named errors."""
     path = model_dirs["qwen2"]
     with pytest.raises(ConfigError, match="target_modules"):
         MegatronPolicy(
@@ -140,6 +141,8 @@ def test_lora_refuses_bad_settings(model_dirs: dict[str, Path], tmp_path: Path) 
         )
     with pytest.raises(ConfigError, match="lora_init"):
         MegatronPolicy.Config(model_path=str(path), lora_init="x")
+    with pytest.raises(ConfigError, match="critic.lora"):
+        MegatronCritic.Config(model_path=str(path), lora=LoRAConfig())
     adapter = R.make_peft_adapter(path, tmp_path / "qv", targets=["q_proj", "v_proj"])
     with pytest.raises(ConfigError, match="rank/scaling/targets"):
         _lora_policy(path, adapter)
@@ -170,8 +173,9 @@ def test_lora_subset_of_targets_matches_peft(model_dirs: dict[str, Path], tmp_pa
 def test_lora_checkpoint_holds_adapter_and_resumes_exactly(
     model_dirs: dict[str, Path], adapters: dict, tmp_path: Path
 ) -> None:
-    """save() writes the peft adapter (no base weights) + optimizer state; a new policy loading
-    it takes the next step exactly as the uninterrupted one; another base model is refused."""
+    """save() writes the peft adapter (no base weights; peft loads it) + optimizer state; a new
+    policy loading it takes the next step exactly as the uninterrupted one; another base model
+    and a policy without lora are refused."""
     path = model_dirs["qwen2"]
     a = _lora_policy(path, adapters["qwen2"], lr=LR)
     vocab = a.model_shape.vocab_size
@@ -180,6 +184,9 @@ def test_lora_checkpoint_holds_adapter_and_resumes_exactly(
     a.save(tmp_path / "ckpt")
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert "model.safetensors" not in saved and "adapter_model.safetensors" in saved
+    with torch.no_grad():  # the saved adapter is a peft adapter of the trained model
+        expected = R.logprobs(R.peft_model(path, tmp_path / "ckpt"), batches[1])
+    torch.testing.assert_close(a.compute_logprobs(batches[1]).logprobs, expected, atol=1e-5, rtol=0)
     a.train_step(batches[1], sft_loss)
     b = _lora_policy(path, lr=LR)
     b.load(tmp_path / "ckpt")

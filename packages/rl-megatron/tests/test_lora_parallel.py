@@ -123,3 +123,16 @@ def test_lora_parallel_step_matches_peft_adamw_and_resumes(
         assert trainable == [total, total]
     assert all(0 < s <= len(ref["after"]) for s in job[f"{case}/optimizer_states"])
     assert job[f"{case}/resume_max_diff"] == 0.0
+
+
+def test_lora_checkpoint_loads_at_another_layout(job: dict[str, Any]) -> None:
+    """The TP=2 adapter checkpoint loads at PP=2 (optimizer state included): the same adapter,
+    and the next step equals the TP=2 policy's within 1e-6."""
+    for name, tensor in job["tp2_qwen2/adapter_after"].items():
+        assert torch.equal(job["relayout/loaded"][name], tensor), name
+    diff = max(
+        float((job["relayout/second"][n] - t).abs().max())
+        for n, t in job["tp2_qwen2/second"].items()
+    )
+    print(f"relayout TP=2 -> PP=2: max|adapter diff| after the next step {diff:.2e}")
+    assert diff <= 1e-6

@@ -43,6 +43,9 @@ class _CheckpointMixin(_PolicyState):
         TP/PP/DP layout, see :mod:`rl_megatron.checkpoint`). Rank 0 removes an older
         :data:`STATE_FILE` first and writes the new one (version, schedule position, layout)
         last, after a barrier, so a directory with a state file is a complete checkpoint.
+        With ``policy.lora`` rank 0 writes the adapter alone (peft format, no base weights), the
+        distributed checkpoint holds the adapters and their optimizer state, and the state file
+        records the base model's identity (:mod:`rl_megatron._lora`).
 
         Raises:
             CheckpointError: (every rank, before the optimizer state is written, so no state
