@@ -43,6 +43,9 @@ class _CheckpointMixin(_PolicyState):
         TP/PP/DP layout, see :mod:`rl_megatron.checkpoint`). Rank 0 removes an older
         :data:`STATE_FILE` first and writes the new one (version, schedule position, layout)
         last, after a barrier, so a directory with a state file is a complete checkpoint.
+        With ``policy.lora`` rank 0 writes the adapter alone (peft format, no base weights), the
+        distributed checkpoint holds the adapters and their optimizer state, and the state file
+        records the base model's identity (:mod:`rl_megatron._lora`).
 
         Raises:
             CheckpointError: (every rank, before the optimizer state is written, so no state
@@ -55,8 +58,12 @@ class _CheckpointMixin(_PolicyState):
 
         out = Path(directory)
         rank = self.layout.rank
-        weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
-        if rank == 0:
+        lora = getattr(self.config, "lora", None)
+        if lora is not None:  # the adapter alone (peft format) + its base's identity
+            self._save_lora(out)
+        else:
+            weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
+        if rank == 0 and lora is None:
             out.mkdir(parents=True, exist_ok=True)
             (out / STATE_FILE).unlink(missing_ok=True)
             shutil.rmtree(out / DIST_DIR, ignore_errors=True)
@@ -74,6 +81,7 @@ class _CheckpointMixin(_PolicyState):
                 self.optimizer,
                 out / DIST_DIR,
                 distributed_optimizer=self.config.use_distributed_optimizer,
+                keys=self._lora_model_keys if lora is not None else None,
             )
         torch.distributed.barrier()
         if rank == 0:
@@ -87,6 +95,7 @@ class _CheckpointMixin(_PolicyState):
                     DISTOPT_SHARDING if self.config.use_distributed_optimizer else None
                 ),
                 "layout": self._layout_record(),
+                "lora": self._lora_record(),
             }
             tmp = out / (STATE_FILE + ".tmp")
             torch.save(state, tmp)
@@ -117,6 +126,7 @@ class _CheckpointMixin(_PolicyState):
                 "with MegatronPolicy.save."
             )
         state = torch.load(state_path, map_location="cpu", weights_only=True)
+        lora = self._check_lora_checkpoint(state_path, state.get("lora"))
         if with_optimizer:
             self._check_optimizer_checkpoint(state_path, state)
             load_distributed(
@@ -124,7 +134,10 @@ class _CheckpointMixin(_PolicyState):
                 self.optimizer,
                 src / DIST_DIR,
                 distributed_optimizer=self.config.use_distributed_optimizer,
+                keys=self._lora_model_keys if lora else None,
             )
+        elif lora:
+            self._load_lora_checkpoint(src)
         else:
             self._load_hf_dir(src, error=CheckpointError)
         self._version = int(state["version"])

@@ -103,9 +103,16 @@ def _metadata(distributed_optimizer: bool) -> dict[str, Any]:
 
 
 def _sharded_state_dict(
-    module: Any, optimizer: Any, *, distributed_optimizer: bool, is_loading: bool
+    module: Any,
+    optimizer: Any,
+    *,
+    distributed_optimizer: bool,
+    is_loading: bool,
+    keys: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     model_sd = module.sharded_state_dict()
+    if keys is not None:  # e.g. LoRA: the adapters only (the optimizer holds nothing else)
+        model_sd = {k: v for k, v in model_sd.items() if keys(k)}
     if not distributed_optimizer:
         optim_sd = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=_metadata(False)
@@ -236,12 +243,19 @@ def _saved_distopt_state_problem(opt: Any, optim_part: dict[str, Any]) -> str | 
 
 
 def save_distributed(
-    module: Any, optimizer: Any, directory: str | Path, *, distributed_optimizer: bool
+    module: Any,
+    optimizer: Any,
+    directory: str | Path,
+    *,
+    distributed_optimizer: bool,
+    keys: Callable[[str], bool] | None = None,
 ) -> None:
     """Write ``module``'s weights and ``optimizer``'s state as a ``torch_dist`` checkpoint.
 
     Collective over all ranks. ``directory`` must be empty or absent; rank 0 creates it.
-    ``distributed_optimizer`` says whether ``optimizer`` is Megatron's distributed optimizer.
+    ``distributed_optimizer`` says whether ``optimizer`` is Megatron's distributed optimizer;
+    ``keys`` (a predicate on the model's state-dict keys) saves only those weights (every
+    parameter the optimizer holds must be among them: LoRA's adapters).
 
     Raises:
         CheckpointError: (every rank, before any tensor is written) the distributed optimizer's
@@ -255,7 +269,7 @@ def save_distributed(
 
     _ensure_optimizer_state(optimizer)
     state = _sharded_state_dict(
-        module, optimizer, distributed_optimizer=distributed_optimizer, is_loading=False
+        module, optimizer, distributed_optimizer=distributed_optimizer, is_loading=False, keys=keys
     )
     dist_checkpointing.save(state, str(out), sharded_strategy=_in_process_save_strategy())
 
@@ -324,9 +338,15 @@ def _load_distopt(opt: Any, state: dict[str, Any]) -> None:
 
 
 def load_distributed(
-    module: Any, optimizer: Any, directory: str | Path, *, distributed_optimizer: bool
+    module: Any,
+    optimizer: Any,
+    directory: str | Path,
+    *,
+    distributed_optimizer: bool,
+    keys: Callable[[str], bool] | None = None,
 ) -> None:
-    """Restore :func:`save_distributed`'s output into ``module`` and ``optimizer``.
+    """Restore :func:`save_distributed`'s output into ``module`` and ``optimizer`` (``keys``:
+    as saved, only those weights are read).
 
     Collective over all ranks; works at any TP/PP/DP layout of the same model. Weights are
     copied into the live parameters (``module`` keeps its DDP buffers), then the optimizer state
@@ -347,7 +367,7 @@ def load_distributed(
         )
     _ensure_optimizer_state(optimizer)
     state = _sharded_state_dict(
-        module, optimizer, distributed_optimizer=distributed_optimizer, is_loading=True
+        module, optimizer, distributed_optimizer=distributed_optimizer, is_loading=True, keys=keys
     )
     try:
         loaded = dist_checkpointing.load(state, str(src))
@@ -357,7 +377,7 @@ def load_distributed(
             "saved from a different model, or with a different use_distributed_optimizer?"
         ) from exc
     missing, _ = module.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and (keys is None or keys(k))]
     if missing:
         raise CheckpointError(
             f"{src}: the checkpoint has no values for {missing[:3]}; was it saved from a "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rl_core.critics import PolicyCriticMixin
-from rl_core.errors import CheckpointError
+from rl_core.errors import CheckpointError, ConfigError
 from rl_core.interfaces import Critic
 from rl_megatron.policy import MegatronPolicy
 
@@ -41,7 +41,16 @@ class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):
 
     @dataclass(kw_only=True, slots=True)
     class Config(MegatronPolicy.Config):
-        """Settings of :class:`MegatronCritic` (those of :class:`MegatronPolicy`)."""
+        """Settings of :class:`MegatronCritic` (those of :class:`MegatronPolicy`, without
+        ``lora``)."""
+
+        def __post_init__(self) -> None:
+            MegatronPolicy.Config.__post_init__(self)
+            if self.lora is not None:
+                raise ConfigError(
+                    "critic.lora: a LoRA critic is not supported (its value head would be "
+                    "frozen with the base); remove critic.lora and train the critic fully."
+                )
 
     value_head: torch.nn.Linear | None
     """``Linear(hidden, 1)`` on the last pipeline stage (``None`` on the others)."""

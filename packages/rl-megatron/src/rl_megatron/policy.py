@@ -55,8 +55,10 @@ from rl_core.config import (
 )
 from rl_core.errors import ConfigError
 from rl_core.interfaces import LossFn, Policy
+from rl_core.lora import LoRAConfig
 from rl_core.offload import OffloadConfig
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_megatron._lora import _LoRAMixin
 from rl_megatron._policy_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT  # re-export
 from rl_megatron._policy_checkpoint import OPTIM_DIR as OPTIM_DIR  # re-export
 from rl_megatron._policy_checkpoint import STATE_FILE as STATE_FILE  # re-export
@@ -85,7 +87,7 @@ _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num
 
 
 class MegatronPolicy(
-    _PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin, OffloadMixin, Policy
+    _LoRAMixin, _PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin, OffloadMixin, Policy
 ):
     """A trainable Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on megatron-core (see the module
     docstring)."""
@@ -154,6 +156,13 @@ class MegatronPolicy(
         recompute_num_layers: PositiveInt = 1
         """Layers per checkpointed group (``"uniform"``) or checkpointed layers per stage
         (``"block"``), with ``recompute_granularity="full"``."""
+        lora: LoRAConfig | None = None
+        """Train LoRA adapters on the decoder layers' linear layers, the base frozen
+        (:mod:`rl_megatron._lora`; TP, PP and DP, not sequence parallel or MoE); ``None``: full
+        fine-tuning."""
+        lora_init: str | None = None
+        """A peft adapter directory to start the adapters from (needs ``lora`` with its rank,
+        alpha and targets); ``None``: a fresh adapter (``B = 0``, the base model's outputs)."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -212,6 +221,11 @@ class MegatronPolicy(
                 raise ConfigError(
                     f"policy.recompute_method: {self.recompute_method!r} is not 'uniform' or "
                     "'block'."
+                )
+            if self.lora_init is not None and self.lora is None:
+                raise ConfigError(
+                    "policy.lora_init: is set but policy.lora is not; set policy.lora (rank, "
+                    "alpha, target_modules of the adapter) to train from an adapter."
                 )
             clash = sorted(set(self.megatron_args) & set(_RECOMPUTE_FIELDS))
             if clash:
@@ -327,6 +341,8 @@ class MegatronPolicy(
         self._mark_tensor_parallel_params()
         self._freeze_padding_embedding()
         self._load_hf_dir(path, error=ConfigError)
+        self._check_lora_supported()
+        self._attach_lora()
         self._build_ddp_and_optimizer(split)
         self._version = 0
         self._applied_steps = 0
