@@ -243,3 +243,14 @@ def test_broadcast_adapter_and_refusal() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_marker_differing_from_the_published_one_refused(pair: Pair) -> None:
+    sender, receiver = pair
+    u = sender.publish(1, adapter(1).items(), metadata=marker())  # type: ignore[attr-defined]
+    other = with_adapter(u, dataclasses.replace(LORA, alpha=99.0))
+    target = DictTarget()
+    with pytest.raises(MixedUpdateError, match="differs from the one published"):
+        receiver.apply(other, target)  # type: ignore[attr-defined]
+    receiver.apply(u, target)  # type: ignore[attr-defined]
+    assert target.weight_version == 1

@@ -18,6 +18,7 @@ reverse) with :class:`MixedUpdateError`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -133,12 +134,17 @@ def check_update_kind(
             "holds full model weights; mark only updates of the adapter's tensors"
         )
     stored = recorded.get(ADAPTER_KEY)
-    if stored is not None and marker is not None and dict(stored) != marker:
+    if stored is not None and marker is not None and _canonical(stored) != _canonical(marker):
         raise MixedUpdateError(
             f"weight version {version}: the update's adapter {marker['name']!r} differs from the "
             f"one published ({stored.get('name')!r}, its config); pass the update publish returned"
         )
     return kind
+
+
+def _canonical(marker: Mapping[str, Any]) -> str:
+    """``marker`` as sorted JSON (a recorded marker went through JSON: tuples became lists)."""
+    return json.dumps(marker, sort_keys=True, default=str)
 
 
 def check_delta_base(version: int, kind: str, base_version: int, base_kind: str) -> None:
