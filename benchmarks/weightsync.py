@@ -9,10 +9,16 @@ and by a random perturbation. For each served dtype and update it measures:
 - encode and apply throughput in GB/s of model bytes with 1 and 2 threads;
 - end-to-end publish-to-loaded latency of DiskDeltaTransport and DiskFullTransport;
 - BroadcastTransport (bucketed, handshake) against a raw ``ProcessGroupGloo.broadcast`` of the
-  same bytes between two processes on 127.0.0.1; ``broadcast_ratio`` = bucketed / raw throughput.
+  same bytes between two processes on 127.0.0.1; ``broadcast_ratio`` = bucketed / raw throughput;
+- adapter-only sync (``adapter_only``): a rank-16 LoRA adapter on all 7 projections of every
+  layer, served in bf16 like the model, updated by Adam steps (lr 1e-5 and 1e-4): bytes per
+  sync and publish/apply seconds of disk_full, disk_delta and broadcast, against the full model
+  synced the same way in the same run; ``bytes_ratio`` = adapter bytes / full checkpoint bytes.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/weightsync.py [--small]``. Writes
-``benchmarks/results/weightsync.json``. Not a test; takes a few minutes on 2 cores.
+Run: ``OMP_NUM_THREADS=1 python benchmarks/weightsync.py [--small] [--adapter-only]``. Writes
+``benchmarks/results/weightsync.json``; ``--adapter-only`` measures only the adapter case and
+replaces the ``adapter_only`` entry of the existing file (the other entries stay as they were
+measured). Not a test; takes a few minutes on 2 cores (the adapter case alone about one).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from rl_core.lora import LoRAConfig, peft_name, with_adapter
 from rl_core.types import WeightUpdate
 from rl_weightsync.checksum import tensor_bytes
 from rl_weightsync.disk_delta import DiskDeltaTransport, decode_delta, encode_delta
@@ -172,6 +179,143 @@ def disk_latency(old: dict, new: dict, serve: str, root: Path) -> dict:
     return out
 
 
+# -- adapter-only sync ----------------------------------------------------------------------------
+
+
+class _Sink:
+    """A target that reads every tensor it is given (the cost an engine's loader pays)."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.v = version
+
+    @property
+    def weight_version(self) -> int:
+        return self.v
+
+    def load_weights(self, named, *, version):
+        for _ in named:
+            pass
+        self.v = version
+
+
+def adapter_weights(master: dict, lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """A trained-looking adapter (peft names): A ~ N(0, 1/in), B ~ N(0, 1e-3^2) (B starts at zero
+    in training and has moved)."""
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for name, w in master.items():
+        module = name.removesuffix(".weight")
+        if w.dim() != 2 or not name.endswith(".weight") or not lora.targets(module):
+            continue
+        out_f, in_f = w.shape
+        out[peft_name(module, "A")] = torch.randn(lora.rank, in_f, generator=g) / in_f**0.5
+        out[peft_name(module, "B")] = torch.randn(out_f, lora.rank, generator=g) * 1e-3
+    return out
+
+
+def _timed_sync(sender, receiver, version: int, tensors: dict, meta: dict | None) -> dict:
+    t0 = time.perf_counter()
+    u = sender.publish(version, tensors.items(), metadata=meta)
+    t1 = time.perf_counter()
+    receiver.apply(u, _Sink(version - 1))
+    t2 = time.perf_counter()
+    return {
+        "kind": u.metadata.get("kind", "full"),
+        "bytes": u.metadata["bytes"],
+        "publish_s": t1 - t0,
+        "apply_s": t2 - t1,
+        "e2e_s": t2 - t0,
+    }
+
+
+def sync_bytes_and_times(old: dict, new: dict, root: Path, meta: dict | None) -> dict:
+    """disk_full of ``new``, and disk_delta from ``old`` to ``new``, served in bf16."""
+    full_cfg = {"directory": root / "full", "serve_dtype": "bfloat16"}
+    full = _timed_sync(
+        DiskFullTransport(DiskFullTransport.Config(**full_cfg)),
+        DiskFullTransport(DiskFullTransport.Config(**full_cfg)),
+        2,
+        new,
+        meta,
+    )
+    cfg = {"directory": root / "delta", "serve_dtype": "bfloat16", "num_threads": 2}
+    snd = DiskDeltaTransport(DiskDeltaTransport.Config(**cfg))
+    rcv = DiskDeltaTransport(DiskDeltaTransport.Config(**cfg, local_dir=root / "local"))
+    rcv.apply(snd.publish(1, old.items(), metadata=meta), _Sink())
+    delta = _timed_sync(snd, rcv, 2, new, meta)
+    assert delta["kind"] == "delta"
+    return {"disk_full": full, "disk_delta": delta}
+
+
+def adapter_case(master: dict, rank: int = 16) -> dict:
+    """Adapter-only sync against full-weights sync of the same model, both in bf16."""
+    lora = LoRAConfig(rank=rank, alpha=2.0 * rank)  # all 7 projection types (the default)
+    adapter = adapter_weights(master, lora)
+    meta = dict(
+        with_adapter(WeightUpdate(version=0, base_version=None, transport=""), lora).metadata
+    )
+    a_params = sum(t.numel() for t in adapter.values())
+    m_params = sum(t.numel() for t in master.values())
+    out: dict = {
+        "rank": rank,
+        "target_modules": list(lora.target_modules),
+        "serve_dtype": "bfloat16",
+        "adapter_params": a_params,
+        "model_params": m_params,
+        "param_ratio": a_params / m_params,
+    }
+    with tempfile.TemporaryDirectory() as d:
+        old, new = adam_versions(master, 1e-5)
+        out["full_model"] = {
+            "update": "adam_lr1e-5",
+            **sync_bytes_and_times(old, new, Path(d) / "m", None),
+        }
+        del old, new
+    full_bytes = out["full_model"]["disk_full"]["bytes"]
+    out["full_checkpoint_bytes"] = full_bytes
+    out["adapter"] = {}
+    for lr in (1e-5, 1e-4):
+        old, new = adam_versions(adapter, lr)
+        with tempfile.TemporaryDirectory() as d:
+            row = sync_bytes_and_times(old, new, Path(d), meta)
+        for r in row.values():
+            r["bytes_ratio"] = r["bytes"] / full_bytes
+        out["adapter"][f"adam_lr{lr:.0e}".replace("e-0", "e-")] = row
+    out["bytes_ratio_full_adapter"] = out["adapter"]["adam_lr1e-5"]["disk_full"]["bytes_ratio"]
+    out["bytes_ratio_delta_adapter"] = {
+        k: v["disk_delta"]["bytes_ratio"] for k, v in out["adapter"].items()
+    }
+    a_bytes = out["adapter"]["adam_lr1e-5"]["disk_full"]["bytes"]
+    out["broadcast"] = {
+        "adapter": broadcast_case(a_bytes, bucket=64 << 20, reps=3),
+        "full_model": broadcast_case(full_bytes, bucket=64 << 20, reps=3),
+    }
+    out["target_max_bytes_ratio"] = 0.02
+    return out
+
+
+def print_adapter(a: dict) -> None:
+    print(
+        f"\nadapter-only, rank {a['rank']} on {len(a['target_modules'])} projection types: "
+        f"{a['adapter_params'] / 1e6:.2f}M params = {100 * a['param_ratio']:.2f}% of the model's"
+    )
+    fm = a["full_model"]
+    print(
+        f"  full model bf16 (adam lr 1e-5): disk_full {fm['disk_full']['bytes'] / 1e6:.1f} MB "
+        f"{fm['disk_full']['e2e_s']:.2f}s, disk_delta {fm['disk_delta']['bytes'] / 1e6:.1f} MB "
+        f"{fm['disk_delta']['e2e_s']:.2f}s"
+    )
+    for upd, row in a["adapter"].items():
+        for tname, r in row.items():
+            print(
+                f"  adapter {upd:11s} {tname:10s} {r['bytes'] / 1e6:7.3f} MB = "
+                f"{100 * r['bytes_ratio']:.3f}% of the full checkpoint, publish {r['publish_s']:.3f}s "
+                f"+ apply {r['apply_s']:.3f}s = {r['e2e_s']:.3f}s"
+            )
+    for what, b in a["broadcast"].items():
+        print(f"  broadcast {what:10s} {b['bytes'] / 1e6:7.1f} MB: {b['bucketed_s']:.3f}s")
+
+
 # -- broadcast: two processes ---------------------------------------------------------------------
 
 
@@ -254,6 +398,11 @@ def broadcast_case(nbytes: int, bucket: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="a ~20M-parameter model (quick check)")
+    ap.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="measure only the adapter-only case; replace its entry in the results file",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -264,6 +413,27 @@ def main() -> None:
     print(
         f"model: {n_params / 1e6:.0f}M params, {n_params * 2 / 1e6:.0f} MB bf16, {n_params * 4 / 1e6:.0f} MB fp32"
     )
+    if args.adapter_only:
+        adapter = adapter_case(master)
+        print_adapter(adapter)
+        if not RESULTS.exists():
+            raise SystemExit(f"{RESULTS} does not exist; run the whole benchmark first")
+        result = json.loads(RESULTS.read_text())
+        if result["model"]["params"] != n_params:
+            raise SystemExit(
+                f"{RESULTS} was measured on a {result['model']['params']}-parameter model, this "
+                f"run on {n_params}; run the whole benchmark with the same --small setting"
+            )
+        result["adapter_only"] = {
+            **adapter,
+            "machine": {
+                "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+                "torch": torch.__version__,
+            },
+        }
+        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"updated adapter_only in {RESULTS}")
+        return
     updates = {
         "adam_lr1e-6": lambda: adam_versions(master, 1e-6),
         "adam_lr1e-5": lambda: adam_versions(master, 1e-5),
@@ -293,6 +463,7 @@ def main() -> None:
         del old, new
     bnbytes = (32 << 20) if args.small else (256 << 20)
     bcast = broadcast_case(bnbytes, bucket=64 << 20, reps=3)
+    adapter = adapter_case(master)
 
     hdr = f"{'update':13s} {'dtype':8s} {'full MB':>8s} {'xor %':>7s} {'ovw %':>7s} {'xor enc 1t/2t GB/s':>19s} {'xor apply 1t/2t':>16s} {'ovw enc/apply 1t':>17s}"
     print("\n" + hdr + "\n" + "-" * len(hdr))
@@ -310,6 +481,7 @@ def main() -> None:
         f"broadcast {bcast['bytes'] / 1e6:.0f} MB: raw gloo {bcast['raw_gbps']:.2f} GB/s, bucketed transport {bcast['bucketed_gbps']:.2f} GB/s, "
         f"broadcast_ratio {bcast['broadcast_ratio']:.2f}"
     )
+    print_adapter(adapter)
     result = {
         "benchmark": "weightsync",
         "machine": {
@@ -330,6 +502,7 @@ def main() -> None:
         "disk_latency": latency,
         "broadcast": bcast,
         "broadcast_ratio": bcast["broadcast_ratio"],
+        "adapter_only": adapter,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rl_core.errors import GenerationError
+from rl_core.errors import GenerationError, WeightSyncError
 from rl_core.types import GenerationRequest, GenerationResult, SamplingParams
 from rl_sglang import SGLangGenerator
 
@@ -162,3 +162,89 @@ def test_replace_unload_and_default_adapter(
         asyncio.run(lora_gen.generate([req], lora_adapter="a"))
     with pytest.raises(GenerationError, match="adapter_config.json"):
         asyncio.run(lora_gen.load_lora_adapter("c", str(tiny_model)))
+
+
+def _merged_ref(base: Path, adapter: dict[str, torch.Tensor], tokens: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probs of transformers with ``adapter`` merged by
+    :func:`rl_core.lora.merge_adapter` (the reference for adapter-only updates)."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_core.lora import LoRAConfig, merge_adapter
+
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=("q_proj", "v_proj"))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    state = model.state_dict()
+    state.update(merge_adapter(state, adapter, lora))
+    model.load_state_dict(state)
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logp_TV = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp_TV.gather(1, ids[0, 1:, None]).squeeze(1)
+
+
+def _served_models(gen: SGLangGenerator) -> set[str]:
+    """Model ids the server lists (base model and loaded adapters), from ``/v1/models``."""
+    import urllib.request
+
+    with urllib.request.urlopen(gen.server_urls[0] + "/v1/models", timeout=30) as r:
+        return {m["id"] for m in json.loads(r.read())["data"]}
+
+
+def test_adapter_updates_through_disk_delta(
+    lora_gen: SGLangGenerator,
+    tiny_model: Path,
+    adapters: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Adapter-only updates v1 (full) then v2 (a delta on v1) through disk_delta: the served
+    log-probs follow each version and match the base with that version merged; the weight version
+    follows the update; v1 is unloaded from the server once v2 is in."""
+    from rl_core.lora import LoRAConfig, with_adapter
+    from rl_weightsync import DiskDeltaTransport
+
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=("q_proj", "v_proj"), name="policy")
+    sync = tmp_path / "sync"
+    sender = DiskDeltaTransport(DiskDeltaTransport.Config(directory=sync))
+    receiver = DiskDeltaTransport(
+        DiskDeltaTransport.Config(directory=sync, local_dir=tmp_path / "local")
+    )
+    versions = {
+        v: load_file(str(adapters[n] / "adapter_model.safetensors"))
+        for v, n in ((1, "a"), (2, "b"))
+    }
+    start = lora_gen.weight_version
+    req = GenerationRequest(
+        request_id="u", input_ids=P, sampling=SamplingParams(max_new_tokens=6, temperature=1.0)
+    )
+    errs = {}
+    for i, (v, tensors) in enumerate(versions.items()):
+        version = start + 1 + i
+        update = with_adapter(sender.publish(version, tensors.items()), lora, str(tiny_model))
+        assert update.metadata["kind"] == ("full" if i == 0 else "delta")
+        asyncio.run(lora_gen.update_weights(update, receiver))
+        assert lora_gen.weight_version == version
+        assert lora_gen.lora_versions == {"policy": f"policy-v{version}"}
+        assert lora_gen.default_lora_adapter == f"policy-v{version}"
+        (res,) = asyncio.run(lora_gen.generate([req]))  # the new adapter by default
+        assert res.output_ids and res.weight_version == version
+        tokens = list(req.input_ids + res.output_ids)
+        got = torch.tensor(res.output_logprobs)
+        ref = _merged_ref(tiny_model, tensors, tokens)[len(req.input_ids) - 1 :]
+        errs[v] = float((ref - got).abs().max())
+        other = versions[3 - v]
+        other_ref = _merged_ref(tiny_model, other, tokens)[len(req.input_ids) - 1 :]
+        assert float((other_ref - got).abs().max()) > 1e-2  # the outputs changed with the version
+        (named,) = asyncio.run(lora_gen.generate([req], lora_adapter="policy"))
+        assert named.weight_version == version
+    print(f"SGLang CPU LoRA via adapter updates: max |log-prob - merged HF| per version: {errs}")
+    assert max(errs.values()) < 1e-3
+    served = _served_models(lora_gen)
+    assert f"policy-v{start + 2}" in served and f"policy-v{start + 1}" not in served
+    assert f"policy-v{start + 1}" not in lora_gen.lora_adapters
+    assert not Path(lora_gen.log_dir / "adapters" / f"policy-v{start + 1}").exists()
+    # a replay is refused and changes nothing
+    with pytest.raises(WeightSyncError, match="refused"):
+        asyncio.run(lora_gen.update_weights(update, receiver))
+    assert lora_gen.weight_version == start + 2
+    sender.close()
+    receiver.close()

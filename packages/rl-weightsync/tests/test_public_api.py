@@ -21,6 +21,7 @@ def test_all_is_pinned() -> None:
             "DiskWeightTarget",
             "InProcessTransport",
             "Manifest",
+            "MixedUpdateError",
             "TensorEntry",
             "__version__",
             "decode_delta",

@@ -71,6 +71,7 @@ class _GeneratorState:
     supports_routing: bool
     supports_lora: bool
     _lora: dict[str, str]
+    _lora_alias: dict[str, str]
     _default_lora: str | None
     _version: int
     _updating: bool

@@ -15,6 +15,7 @@ import torch
 
 from rl_core.errors import GenerationError, WeightSyncError
 from rl_core.interfaces import WeightTransport
+from rl_core.lora import adapter_of
 from rl_core.moe_weights import has_fused_experts, is_fused_expert_name, unfuse_expert_tensors
 from rl_core.types import WeightUpdate
 from rl_sglang._state import _GeneratorState, _Server
@@ -28,7 +29,9 @@ class _WeightsMixin(_GeneratorState):
     async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
         """Load ``update`` through ``transport`` on every server; on failure keep the old ones.
 
-        A collective transport (:class:`~rl_sglang.collective.SGLangCollectiveTransport`)
+        An adapter-only update (:func:`rl_core.lora.adapter_of`) is loaded as a LoRA adapter
+        (:mod:`rl_sglang._lora`; the servers must run with ``enable_lora``, else
+        :class:`~rl_core.errors.ConfigError`). A collective transport (:class:`~rl_sglang.collective.SGLangCollectiveTransport`)
         broadcasts into the servers; disk transports hand the verified checkpoint directory to
         ``/update_weights_from_disk``; any other transport's tensors are pushed with
         ``/update_weights_from_tensor``.
@@ -37,6 +40,15 @@ class _WeightsMixin(_GeneratorState):
 
         if self._closed:
             raise GenerationError("SGLangGenerator.update_weights: the generator is closed.")
+        if adapter_of(update) is not None:
+            if isinstance(transport, SGLangCollectiveTransport):
+                raise WeightSyncError(
+                    "SGLangGenerator.update_weights: adapter-only updates do not go through "
+                    "sglang_collective (it writes model weights into the servers); send them "
+                    "with disk_full, disk_delta, broadcast or inprocess."
+                )
+            await self._update_adapter(update, transport)  # type: ignore[attr-defined]
+            return
         if isinstance(transport, SGLangCollectiveTransport):
             await self._io.run(self._distributed_update(update, transport))
             return

@@ -391,6 +391,7 @@ class SGLangGenerator(
         self.supports_lora: bool = bool(info.get("enable_lora"))
         """The servers serve LoRA adapters (launched with ``enable_lora``)."""
         self._lora: dict[str, str] = {}
+        self._lora_alias: dict[str, str] = {}  # adapter name -> versioned name (adapter updates)
         self._default_lora: str | None = None
         self.supports_memory_release = (  # type: ignore[misc]
             bool(info.get("enable_memory_saver")) and str(info.get("device")) != "cpu"

@@ -7,9 +7,14 @@ Transports (entry-point group ``rl.weight_transports``), each built from its nes
 - ``disk_delta``: :class:`DiskDeltaTransport`, lossless XOR/overwrite deltas, zstd, checksummed.
 - ``broadcast``: :class:`BroadcastTransport`, bucketed gloo/NCCL broadcast on a dedicated group.
 
+Every transport also carries adapter-only updates (LoRA tensors in peft naming, marked with
+:func:`rl_core.lora.with_adapter`): see :mod:`rl_weightsync.adapter`; a receiver refuses an update
+that mixes adapters and full weights with :class:`MixedUpdateError`.
+
 Shared pieces: :func:`iter_buckets`, :class:`Manifest`, :func:`safe_join`, checksums.
 """
 
+from rl_weightsync.adapter import MixedUpdateError
 from rl_weightsync.broadcast import BroadcastTransport
 from rl_weightsync.bucketing import iter_buckets
 from rl_weightsync.checksum import tensor_checksum, verify_checksum
@@ -26,6 +31,7 @@ __all__ = [
     "DiskWeightTarget",
     "InProcessTransport",
     "Manifest",
+    "MixedUpdateError",
     "TensorEntry",
     "__version__",
     "decode_delta",

@@ -25,10 +25,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from rl_core.config import NonNegInt, Port, PositiveFloat, PositiveInt, Range
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
+from rl_weightsync.adapter import MixedUpdateError, check_update_kind, publish_extra
 from rl_weightsync.bucketing import iter_buckets, tensor_nbytes
 from rl_weightsync.manifest import dtype_from_name, dtype_name
 
@@ -162,9 +163,16 @@ class BroadcastTransport(WeightTransport):
     # -- sender ---------------------------------------------------------------------------------
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
-        """Stage ``version`` in bucket buffers and hand it to the broadcast thread."""
+        """Stage ``version`` in bucket buffers and hand it to the broadcast thread.
+
+        ``metadata`` goes into the returned update; an adapter marker
+        (:func:`rl_core.lora.with_adapter`) is also posted in the header receivers check."""
         c = self.config
         if c.rank != 0:
             raise WeightSyncError(
@@ -182,6 +190,7 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError(
                 f"publish of weight version {version}: a tensor name appears twice"
             )
+        extra = publish_extra(names, metadata, version=version)
         layout, buckets = [], []
         for bucket in iter_buckets(items, c.bucket_bytes):
             offset, rows = 0, []
@@ -203,7 +212,7 @@ class BroadcastTransport(WeightTransport):
                 n = tensor_nbytes(t)
                 if n:
                     buf[row[3] : row[3] + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        header = {"version": version, "buckets": layout}
+        header = {"version": version, "buckets": layout, **extra}
         self._connect_store()
         assert self._store is not None
         self._store.set(f"header/{version}", json.dumps(header))
@@ -226,7 +235,13 @@ class BroadcastTransport(WeightTransport):
             base_version=None,
             transport=self.name,
             location=f"tcp://{c.host}:{c.port}/{c.group_name}",
-            metadata={"num_tensors": len(items), "bytes": total, "buckets": len(layout)},
+            metadata={
+                **(metadata or {}),
+                "payload": extra["payload"],
+                "num_tensors": len(items),
+                "bytes": total,
+                "buckets": len(layout),
+            },
         )
 
     def _raise_background_error(self, version: int) -> None:
@@ -327,6 +342,12 @@ class BroadcastTransport(WeightTransport):
                 f"weight version {version}: {store.get(f'go/{version}').decode()}; apply the newest update"
             )
         header = json.loads(store.get(f"header/{version}"))
+        try:
+            names = [row[0] for b in header["buckets"] for row in b["tensors"]]
+            check_update_kind(update, names, header)
+        except MixedUpdateError as exc:
+            store.set(f"ack/{version}/{c.rank}", f"refused: {exc}")
+            raise
         self.connect()  # the sender's broadcast thread joins the group once it has a version
         store.set(f"ack/{version}/{c.rank}", "ok")
         try:

@@ -31,17 +31,18 @@ local checkpoint; any other target gets the changed tensors through ``load_weigh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 import torch
@@ -51,8 +52,17 @@ from safetensors.torch import load_file, save_file
 from rl_core.config import NonNegInt, PositiveInt, Range
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTarget, WeightTransport
+from rl_core.lora import adapter_of
 from rl_core.types import WeightUpdate
 from rl_weightsync import _fs
+from rl_weightsync._codec import _compressor, decode_delta, encode_delta
+from rl_weightsync.adapter import (
+    ADAPTER,
+    check_delta_base,
+    check_update_kind,
+    payload_kind,
+    publish_extra,
+)
 from rl_weightsync.checksum import (
     CHECKSUM_ALGORITHMS,
     bytes_checksum,
@@ -80,7 +90,6 @@ __all__ = ["DiskDeltaTransport", "decode_delta", "encode_delta"]
 DELTA_FILE = "delta.bin"
 LOCAL_STATE = "rl_weightsync_state.json"
 _ENCODINGS = ("xor", "overwrite")
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ST_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -95,95 +104,6 @@ _ST_DTYPES = {
     "U8": "uint8",
     "BOOL": "bool",
 }
-_local = threading.local()
-_ALL = 2**64 - 1
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    key = f"c{level}"
-    c = getattr(_local, key, None)
-    if c is None:
-        c = zstandard.ZstdCompressor(level=level)
-        setattr(_local, key, c)
-    return c
-
-
-def _wide(buf: np.ndarray) -> np.ndarray:
-    """View a uint8 buffer with the widest unsigned type its length allows (faster XOR)."""
-    for size in (8, 4, 2):
-        if buf.size % size == 0:
-            return buf.view(_UINT[size])
-    return buf
-
-
-def encode_delta(
-    old: np.ndarray, new: np.ndarray, *, itemsize: int, encoding: str, level: int = 1
-) -> bytes | None:
-    """zstd-compressed delta from ``old`` to ``new`` raw bytes, or ``None`` if they are equal.
-
-    ``xor``: ``old ^ new``. ``overwrite``: ``[count u64][positions u32|u64 ...][new elements]``
-    over elements of ``itemsize`` bytes, or ``[2**64-1][all new bytes]`` when that is smaller
-    (a dense change); both forms are idempotent.
-    """
-    if encoding == "xor":
-        x = np.bitwise_xor(_wide(old), _wide(new))
-        if not x.any():
-            return None
-        return _compressor(level).compress(x)
-    oe, ne = old.view(_UINT[itemsize]), new.view(_UINT[itemsize])
-    pos = np.flatnonzero(oe != ne)
-    if pos.size == 0:
-        return None
-    ptype = np.uint32 if ne.size < 2**32 else np.uint64
-    if pos.size * (np.dtype(ptype).itemsize + itemsize) >= new.size:  # dense change: all values
-        return _compressor(level).compress(struct.pack("<Q", _ALL) + new.tobytes())
-    payload = b"".join(
-        (struct.pack("<Q", pos.size), pos.astype(ptype).tobytes(), ne[pos].tobytes())
-    )
-    return _compressor(level).compress(payload)
-
-
-def decode_delta(old: np.ndarray, blob: bytes, *, itemsize: int, encoding: str) -> np.ndarray:
-    """New raw bytes from ``old`` and a blob of :func:`encode_delta` (``old`` is not modified).
-
-    Raises ``ValueError`` on a malformed blob (the caller names tensor and version).
-    """
-    n = old.size
-    ptype_size = 4 if n // max(itemsize, 1) < 2**32 else 8
-    bound = n if encoding == "xor" else 8 + max(n, (n // itemsize) * (ptype_size + itemsize))
-    size = zstandard.frame_content_size(blob)
-    if size < 0 or size > bound:
-        raise ValueError(f"frame content size {size} outside [0, {bound}]")
-    if encoding == "xor":
-        if size != n:
-            raise ValueError(f"frame holds {size} bytes, expected {n}")
-        out = np.empty_like(old)  # decompress straight into the output, then XOR in place
-        view, filled = memoryview(out), 0
-        with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
-            while filled < n:
-                got = reader.readinto(view[filled:])
-                if not got:
-                    raise ValueError(f"decoded {filled} bytes, expected {n}")
-                filled += got
-        np.bitwise_xor(_wide(out), _wide(old), out=_wide(out))
-        return out
-    raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=bound)
-    (count,) = struct.unpack_from("<Q", raw)
-    if count == _ALL:
-        if len(raw) != 8 + n:
-            raise ValueError(f"dense overwrite payload of {len(raw)} bytes, expected {8 + n}")
-        return np.frombuffer(raw, dtype=np.uint8, offset=8).copy()
-    if len(raw) != 8 + count * (ptype_size + itemsize):
-        raise ValueError(f"overwrite payload of {len(raw)} bytes does not hold {count} elements")
-    ptype = np.uint32 if ptype_size == 4 else np.uint64
-    pos = np.frombuffer(raw, dtype=ptype, count=count, offset=8)
-    vals = np.frombuffer(raw, dtype=_UINT[itemsize], count=count, offset=8 + count * ptype_size)
-    out = old.copy()
-    elems = out.view(_UINT[itemsize])
-    if count and int(pos.max()) >= elems.size:
-        raise ValueError("overwrite position out of range")
-    elems[pos] = vals
-    return out
 
 
 def _read_st_header(path: Path) -> tuple[int, dict]:
@@ -348,9 +268,17 @@ class DiskDeltaTransport(WeightTransport):
             self._snapshot_version = self.config.base_version
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
-        """Write ``version`` as a delta on the last published version (or in full, see class doc)."""
+        """Write ``version`` as a delta on the last published version (or in full, see class doc).
+
+        ``metadata`` goes into the returned update; an adapter marker
+        (:func:`rl_core.lora.with_adapter`) is also recorded in the manifest. A switch between
+        adapter tensors and full weights changes the name set, so it is written in full."""
         with self._lock:
             self._seed_snapshot()
             existing = _fs.all_versions(self.directory)
@@ -364,6 +292,7 @@ class DiskDeltaTransport(WeightTransport):
                     f"increase. Publish a version above {last}"
                 )
             tensors = cast_for_serving(named_tensors, self.config.serve_dtype, version=version)
+            extra = publish_extra([n for n, _ in tensors], metadata, version=version)
             snap = self._snapshot
             full = (
                 snap is None
@@ -372,15 +301,18 @@ class DiskDeltaTransport(WeightTransport):
                 or set(snap) != {n for n, _ in tensors}
             )
             if full:
-                update = self._publish_full(version, tensors)
+                update = self._publish_full(version, tensors, extra)
             else:
-                update = self._publish_delta(version, tensors, snap)
+                update = self._publish_delta(version, tensors, snap, extra)
+            update = dataclasses.replace(update, metadata={**(metadata or {}), **update.metadata})
             self._snapshot = dict(tensors)
             self._snapshot_version = version
             self._prune()
         return update
 
-    def _publish_full(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> WeightUpdate:
+    def _publish_full(
+        self, version: int, tensors: list[tuple[str, torch.Tensor]], kind: dict[str, Any]
+    ) -> WeightUpdate:
         with _fs.staged_version(self.directory, version) as tmp:
             entries = _fs.write_safetensors_checkpoint(
                 tmp,
@@ -399,7 +331,7 @@ class DiskDeltaTransport(WeightTransport):
                 tensors=tuple(entries),
                 names=tuple(sorted(e.name for e in entries)),
                 checksum=self.config.checksum,
-                extra={"bytes": nbytes, "full_bytes": nbytes},
+                extra={"bytes": nbytes, "full_bytes": nbytes, **kind},
             )
             final = _fs.commit_version(tmp, self.directory, version, manifest)
         return WeightUpdate(
@@ -408,6 +340,7 @@ class DiskDeltaTransport(WeightTransport):
             transport=self.name,
             location=str(final),
             metadata={
+                "payload": kind["payload"],
                 "kind": "full",
                 "num_tensors": len(entries),
                 "bytes": nbytes,
@@ -437,7 +370,11 @@ class DiskDeltaTransport(WeightTransport):
         return name, self.config.encoding, blob
 
     def _publish_delta(
-        self, version: int, tensors: list[tuple[str, torch.Tensor]], snap: dict[str, torch.Tensor]
+        self,
+        version: int,
+        tensors: list[tuple[str, torch.Tensor]],
+        snap: dict[str, torch.Tensor],
+        kind: dict[str, Any],
     ) -> WeightUpdate:
         base = self._snapshot_version
         assert base is not None
@@ -480,6 +417,7 @@ class DiskDeltaTransport(WeightTransport):
                 "full_bytes": full_bytes,
                 "compression": "zstd",
                 "encoding": self.config.encoding,
+                **kind,
             },
         )
         with _fs.staged_version(self.directory, version) as tmp:
@@ -495,6 +433,7 @@ class DiskDeltaTransport(WeightTransport):
             transport=self.name,
             location=str(final),
             metadata={
+                "payload": kind["payload"],
                 "kind": "delta",
                 "num_tensors": len(tensors),
                 "changed_tensors": len(entries),
@@ -581,7 +520,7 @@ class DiskDeltaTransport(WeightTransport):
         _fs.fsync_path(local.parent)
         shutil.rmtree(old, ignore_errors=True)
 
-    def _check(self, update: WeightUpdate, current_version: int) -> tuple[Path, Manifest]:
+    def _check(self, update: WeightUpdate, current_version: int) -> tuple[Path, Manifest, str]:
         version = update.version
         if update.transport != self.name:
             raise WeightSyncError(
@@ -607,7 +546,7 @@ class DiskDeltaTransport(WeightTransport):
                 f"receiver is on version {current_version} (skipped or wrong-base update). Apply "
                 f"version {current_version + 1} first, or wait for a full version"
             )
-        return vdir, manifest
+        return vdir, manifest, check_update_kind(update, manifest.names, manifest.extra)
 
     def receive(
         self, update: WeightUpdate, *, current_version: int
@@ -618,7 +557,7 @@ class DiskDeltaTransport(WeightTransport):
     def _receive(
         self, update: WeightUpdate, current_version: int, target: object = None
     ) -> list[tuple[str, torch.Tensor]]:
-        vdir, manifest = self._check(update, current_version)
+        vdir, manifest, kind = self._check(update, current_version)
         version = manifest.version
         target_names = target_weight_names(target)
         with self._lock, self._host_lock():
@@ -633,6 +572,8 @@ class DiskDeltaTransport(WeightTransport):
                     )
                     return self._reread_local(manifest)
                 held = set(_local_layout(self._require_local())) if local_v is not None else None
+                if held is not None and payload_kind(held, version=local_v or 0) != kind:
+                    held = None  # adapter <-> full weights: the local checkpoint is replaced whole
                 check_name_set(
                     manifest,
                     current_version=current_version,
@@ -650,6 +591,8 @@ class DiskDeltaTransport(WeightTransport):
                     held=frozenset(_local_layout(self._require_local())),
                     target_names=target_names,
                 )
+                if kind == ADAPTER:
+                    return self._reread_all(manifest)
                 return self._reread_local(manifest)
             if local_v != manifest.base_version:
                 raise WeightSyncError(
@@ -657,13 +600,18 @@ class DiskDeltaTransport(WeightTransport):
                     f"the local checkpoint {str(self.local_dir)!r} is on version {local_v}; apply a "
                     "full version to resync"
                 )
+            local_names = list(_local_layout(self._require_local()))
+            check_delta_base(version, kind, local_v, payload_kind(local_names, version=local_v))
             check_name_set(
                 manifest,
                 current_version=current_version,
                 held=frozenset(_local_layout(self._require_local())),
                 target_names=target_names,
             )
-            return self._apply_delta(vdir, manifest)
+            changed = self._apply_delta(vdir, manifest)
+            if kind == ADAPTER:  # adapters are small: targets get the whole adapter
+                return self._reread_all(manifest)
+            return changed
 
     @contextlib.contextmanager
     def _host_lock(self) -> Iterator[None]:
@@ -684,6 +632,13 @@ class DiskDeltaTransport(WeightTransport):
             return None
         raw = json.loads(state.read_text())
         return None if raw.get("writing") is not None else int(raw["version"])
+
+    def _reread_all(self, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the local checkpoint (patched to ``manifest``; the tensors it changed
+        verified again), in its name order."""
+        self._reread_local(manifest)
+        local = _read_local_tensors(self._require_local())
+        return [(n, local[n]) for n in manifest.names]
 
     def _reread_local(self, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
         local = _read_local_tensors(self._require_local())
@@ -777,9 +732,11 @@ class DiskDeltaTransport(WeightTransport):
 
     def apply(self, update: WeightUpdate, target: WeightTarget | DiskWeightTarget) -> None:
         """Patch the local checkpoint (verified), then load: from disk for a DiskWeightTarget,
-        else the changed tensors through ``load_weights``."""
+        else the changed tensors through ``load_weights``. An adapter-only version always goes
+        through ``load_weights``, with every tensor of the adapter."""
         tensors = self._receive(update, target.weight_version, target)
-        if isinstance(target, DiskWeightTarget):
+        adapter = adapter_of(update) is not None  # checked against the manifest by _receive
+        if isinstance(target, DiskWeightTarget) and not adapter:
             target.load_weights_from_disk(str(self._require_local()), version=update.version)
         else:
             target.load_weights(tensors, version=update.version)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -36,6 +36,7 @@ from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTarget, WeightTransport
 from rl_core.types import WeightUpdate
 from rl_weightsync import _fs
+from rl_weightsync.adapter import ADAPTER, check_update_kind, publish_extra
 from rl_weightsync.checksum import CHECKSUM_ALGORITHMS, verify_checksum
 from rl_weightsync.manifest import Manifest, check_name_set, dtype_from_name, safe_join
 
@@ -258,9 +259,17 @@ class DiskFullTransport(WeightTransport):
         return self.directory / _fs.version_dirname(version)
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
-        """Write ``version`` as a full checkpoint (atomic), then prune old versions."""
+        """Write ``version`` as a full checkpoint (atomic), then prune old versions.
+
+        ``metadata`` goes into the returned update; an adapter marker
+        (:func:`rl_core.lora.with_adapter`) is also recorded in the manifest
+        (:mod:`rl_weightsync.adapter`)."""
         with self._lock:
             existing = _fs.all_versions(self.directory)
             if existing and version <= existing[-1]:
@@ -270,6 +279,7 @@ class DiskFullTransport(WeightTransport):
                     f"version above {existing[-1]} or use a fresh directory"
                 )
             tensors = cast_for_serving(named_tensors, self.config.serve_dtype, version=version)
+            kind = publish_extra([n for n, _ in tensors], metadata, version=version)
             with _fs.staged_version(self.directory, version) as tmp:
                 entries = _fs.write_safetensors_checkpoint(
                     tmp,
@@ -288,7 +298,7 @@ class DiskFullTransport(WeightTransport):
                     tensors=tuple(entries),
                     names=tuple(sorted(e.name for e in entries)),
                     checksum=self.config.checksum,
-                    extra={"bytes": nbytes},
+                    extra={"bytes": nbytes, **kind},
                 )
                 final = _fs.commit_version(tmp, self.directory, version, manifest)
             _fs.prune(self.directory, self.config.keep_versions)
@@ -297,12 +307,17 @@ class DiskFullTransport(WeightTransport):
             base_version=None,
             transport=self.name,
             location=str(final),
-            metadata={"num_tensors": len(entries), "bytes": nbytes},
+            metadata={
+                **(metadata or {}),
+                "payload": kind["payload"],
+                "num_tensors": len(entries),
+                "bytes": nbytes,
+            },
         )
 
     def _check(
         self, update: WeightUpdate, current_version: int, target: object = None
-    ) -> tuple[Path, Manifest]:
+    ) -> tuple[Path, Manifest, str]:
         version = update.version
         if update.transport != self.name:
             raise WeightSyncError(
@@ -322,13 +337,14 @@ class DiskFullTransport(WeightTransport):
                 "DiskFullTransport.Config.keep_versions"
             )
         manifest = _fs.read_manifest(vdir, version)
+        kind = check_update_kind(update, manifest.names, manifest.extra)
         check_name_set(
             manifest,
             current_version=current_version,
             held=self._held_names(current_version),
             target_names=target_weight_names(target),
         )
-        return vdir, manifest
+        return vdir, manifest, kind
 
     def _held_names(self, version: int) -> frozenset[str] | None:
         """Names of ``version`` as this receiver verified them, else as its (verified) manifest
@@ -354,18 +370,20 @@ class DiskFullTransport(WeightTransport):
         self, update: WeightUpdate, *, current_version: int
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """All tensors of ``update``, read and verified before the first is yielded."""
-        vdir, manifest = self._check(update, current_version)
+        vdir, manifest, _ = self._check(update, current_version)
         tensors = load_checkpoint_tensors(vdir, manifest)
         self._verified(manifest)
         return iter(tensors)
 
     def apply(self, update: WeightUpdate, target: WeightTarget | DiskWeightTarget) -> None:
         """Verify everything (manifest, name set, files, checksums), then load into ``target``
-        (from the directory for a :class:`DiskWeightTarget`); a refusal leaves it untouched."""
-        vdir, manifest = self._check(update, target.weight_version, target)
+        (from the directory for a :class:`DiskWeightTarget`); a refusal leaves it untouched.
+        An adapter-only version always goes through ``load_weights`` (its directory is not a
+        model checkpoint)."""
+        vdir, manifest, kind = self._check(update, target.weight_version, target)
         tensors = load_checkpoint_tensors(vdir, manifest)  # every byte verified before loading
         self._verified(manifest)
-        if isinstance(target, DiskWeightTarget):
+        if isinstance(target, DiskWeightTarget) and kind != ADAPTER:
             target.load_weights_from_disk(str(vdir), version=update.version)
         else:
             target.load_weights(tensors, version=update.version)

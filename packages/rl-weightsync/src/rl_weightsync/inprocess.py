@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -23,6 +23,7 @@ from rl_core.config import PositiveInt
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
+from rl_weightsync.adapter import check_update_kind, publish_extra
 from rl_weightsync.checksum import CHECKSUM_ALGORITHMS, tensor_checksum, verify_checksum
 
 __all__ = ["InProcessTransport"]
@@ -32,6 +33,7 @@ __all__ = ["InProcessTransport"]
 class _Stored:
     tensors: tuple[tuple[str, torch.Tensor], ...]
     checksums: tuple[str, ...] | None
+    extra: dict[str, Any]
 
 
 class InProcessTransport(WeightTransport):
@@ -82,9 +84,16 @@ class InProcessTransport(WeightTransport):
             return tuple(self._versions)
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
-        """Copy ``named_tensors`` as ``version`` (must exceed every earlier published version)."""
+        """Copy ``named_tensors`` as ``version`` (must exceed every earlier published version).
+
+        ``metadata`` goes into the returned update (e.g. the adapter marker of
+        :func:`rl_core.lora.with_adapter`; see :mod:`rl_weightsync.adapter`)."""
         with self._lock:
             last = self._last_version
         if last is not None and version <= last:
@@ -112,6 +121,7 @@ class InProcessTransport(WeightTransport):
                 device=device, copy=True, memory_format=torch.contiguous_format
             )
             copies.append((name, copy))
+        extra = publish_extra(seen, metadata, version=version)
         checksums = (
             tuple(tensor_checksum(t, self.config.checksum) for _, t in copies)
             if self.config.verify
@@ -123,7 +133,7 @@ class InProcessTransport(WeightTransport):
                     f"publish of weight version {version} refused: version "
                     f"{self._last_version} was published concurrently; versions must increase"
                 )
-            self._versions[version] = _Stored(tuple(copies), checksums)
+            self._versions[version] = _Stored(tuple(copies), checksums, extra)
             self._last_version = version
             while len(self._versions) > self.config.keep_versions:
                 self._versions.popitem(last=False)
@@ -133,7 +143,12 @@ class InProcessTransport(WeightTransport):
             base_version=None,
             transport=self.name,
             location=f"inprocess:{id(self):x}",
-            metadata={"num_tensors": len(copies), "bytes": nbytes},
+            metadata={
+                **(metadata or {}),
+                "payload": extra["payload"],
+                "num_tensors": len(copies),
+                "bytes": nbytes,
+            },
         )
 
     def receive(
@@ -164,6 +179,7 @@ class InProcessTransport(WeightTransport):
                 "it was never published here or has been pruned. Apply the newest update, or "
                 "raise InProcessTransport.Config.keep_versions"
             )
+        check_update_kind(update, [n for n, _ in stored.tensors], stored.extra)
         if stored.checksums is not None:
             for (name, tensor), digest in zip(stored.tensors, stored.checksums):
                 verify_checksum(tensor, digest, name=name, version=version)
