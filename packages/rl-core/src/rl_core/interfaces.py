@@ -348,9 +348,15 @@ class WeightTransport(abc.ABC):
 
     @abc.abstractmethod
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
-        """Publish the full weights of ``version``; returns the handle receivers get."""
+        """Publish the full weights of ``version`` (or, with the :data:`rl_core.lora.ADAPTER_KEY`
+        marker in ``metadata``, a LoRA adapter's tensors); returns the handle receivers get,
+        ``metadata`` included in its ``metadata``."""
 
     @abc.abstractmethod
     def receive(

@@ -24,7 +24,7 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -140,7 +140,11 @@ class SGLangCollectiveTransport(WeightTransport):
     # -- sender ---------------------------------------------------------------------------------
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
         """Stage a copy of the weights of ``version`` (above the last one) for the next push."""
         with self._lock:
@@ -157,7 +161,7 @@ class SGLangCollectiveTransport(WeightTransport):
             base_version=None,
             transport=self.name,
             location=f"collective:{self.config.group_name}",
-            metadata={"num_tensors": len(tensors)},
+            metadata={**(metadata or {}), "num_tensors": len(tensors)},
         )
 
     def staged(self, version: int) -> list[tuple[str, torch.Tensor]]:

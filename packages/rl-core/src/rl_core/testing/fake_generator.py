@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import random
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
@@ -58,7 +58,11 @@ class InMemoryTransport(WeightTransport):
         self._lock = threading.Lock()
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
         """Copy ``named_tensors`` as ``version`` (must be above the last published version)."""
         with self._lock:
@@ -72,7 +76,11 @@ class InMemoryTransport(WeightTransport):
             for old in sorted(self._store)[: -self.keep]:
                 del self._store[old]
         return WeightUpdate(
-            version=version, base_version=None, transport=self.name, location=f"memory:{id(self)}"
+            version=version,
+            base_version=None,
+            transport=self.name,
+            location=f"memory:{id(self)}",
+            metadata=dict(metadata or {}),
         )
 
     def receive(

@@ -68,9 +68,13 @@ class _BrokenTransport(WeightTransport):
         self.inner = inner
 
     def publish(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> WeightUpdate:
-        return self.inner.publish(version, named_tensors)
+        return self.inner.publish(version, named_tensors, metadata=metadata)
 
     def receive(
         self, update: WeightUpdate, *, current_version: int
