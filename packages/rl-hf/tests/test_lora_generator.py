@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("peft")
 
-from rl_core.errors import WeightSyncError  # noqa: E402
-from rl_core.lora import LoRAConfig, adapter_of, with_adapter  # noqa: E402
-from rl_core.testing.policy import random_batch, sft_loss  # noqa: E402
-from rl_core.types import GenerationRequest, SamplingParams  # noqa: E402
-from rl_hf import HFGenerator, HFPolicy, build_tiny_model  # noqa: E402
-from rl_weightsync import InProcessTransport  # noqa: E402
+from rl_core.errors import WeightSyncError
+from rl_core.lora import LoRAConfig, adapter_of, with_adapter
+from rl_core.testing.policy import random_batch, sft_loss
+from rl_core.types import GenerationRequest, SamplingParams
+from rl_hf import HFGenerator, HFPolicy, build_tiny_model
+from rl_weightsync import InProcessTransport
 
 
 @pytest.fixture(scope="module")

@@ -229,9 +229,7 @@ class GeneratorAdapters:
 
         out = {}
         for name, module in self.model.named_modules():
-            if isinstance(module, LoraLayer):
-                out[name] = (module.out_features, module.in_features)
-            elif (
+            if isinstance(module, LoraLayer) or (
                 isinstance(module, torch.nn.Linear)
                 and not name.split(".")[-1].startswith("lora_")
                 and not name.endswith(".base_layer")
