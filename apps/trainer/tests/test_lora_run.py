@@ -4,6 +4,7 @@ model comes as merged weights plus a peft adapter, and a resumed run continues e
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -135,7 +136,8 @@ def test_adapter_sync_needs_lora_and_a_generator_that_takes_adapters(
 
 
 def test_merged_sync_publishes_full_weights(tiny_recipe_dict, tmp_path, monkeypatch) -> None:
-    """``rl.lora_sync: merged``: the generator gets the merged weights, no adapter."""
+    """``rl.lora_sync: merged``: the generator gets the merged weights, no adapter. With an
+    SFT warm-up the RL phase starts from the merged warm-up model, its adapter's base."""
     updates = []
     publish_only = stages.publish_only
 
@@ -145,8 +147,15 @@ def test_merged_sync_publishes_full_weights(tiny_recipe_dict, tmp_path, monkeypa
 
     monkeypatch.setattr(stages, "publish_only", spy)
     recipe = _recipe(tiny_recipe_dict, tmp_path / "run", steps=1, lora_sync="merged")
+    recipe["sft"] = {"steps": 1, "batch_size": 2}
     trainer = Trainer(load_trainer_config(recipe))
     trainer.run()
+    sft_model = tmp_path / "run" / "sft_model"
+    assert (sft_model / "config.json").is_file() and not (
+        sft_model / "adapter_config.json"
+    ).exists()
+    adapter_cfg = json.loads((tmp_path / "run/final_model/adapter/adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(sft_model)
     assert len(updates) == 1 and adapter_of(updates[0]) is None
     assert trainer.generator.active_adapter is None
     assert trainer.generator.weight_version == trainer.policy.version
