@@ -19,6 +19,7 @@ from rl_trainer import stages
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
 from rl_trainer.lora import BaseReference
+from rl_trainer.phases import sft as sft_phase
 
 STEPS = 3
 
@@ -135,7 +136,10 @@ def test_adapter_sync_needs_lora_and_a_generator_that_takes_adapters(
         Trainer(load_trainer_config(recipe)).run()
 
 
-def test_merged_sync_publishes_full_weights(tiny_recipe_dict, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("sft_lora", [True, False])
+def test_merged_sync_publishes_full_weights(
+    tiny_recipe_dict, tmp_path, monkeypatch, sft_lora
+) -> None:
     """``rl.lora_sync: merged``: the generator gets the merged weights, no adapter. With an
     SFT warm-up the RL phase starts from the merged warm-up model, its adapter's base."""
     updates = []
@@ -147,9 +151,19 @@ def test_merged_sync_publishes_full_weights(tiny_recipe_dict, tmp_path, monkeypa
 
     monkeypatch.setattr(stages, "publish_only", spy)
     recipe = _recipe(tiny_recipe_dict, tmp_path / "run", steps=1, lora_sync="merged")
-    recipe["sft"] = {"steps": 1, "batch_size": 2}
+    recipe["sft"] = {"steps": 1, "batch_size": 2, "lora": sft_lora}
+    seen_lora = []
+    real_build = sft_phase.build_policy
+
+    def spy_build(*args, **kw):
+        policy = real_build(*args, **kw)
+        seen_lora.append(policy.lora)
+        return policy
+
+    monkeypatch.setattr(sft_phase, "build_policy", spy_build)
     trainer = Trainer(load_trainer_config(recipe))
     trainer.run()
+    assert (seen_lora[0] is not None) == sft_lora, "the warm-up's policy.lora"
     sft_model = tmp_path / "run" / "sft_model"
     assert (sft_model / "config.json").is_file() and not (
         sft_model / "adapter_config.json"

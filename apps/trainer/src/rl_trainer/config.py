@@ -253,6 +253,10 @@ class SFTConfig:
     lr: NonNegFloat | None = None
     """Learning rate of the warm-up (default: the policy's). RL starts from the warm-up's
     weights with a fresh optimizer at the policy's learning rate."""
+    lora: bool = True
+    """With ``policy.lora``: train the warm-up's adapter (true) or every weight (false, e.g.
+    on a randomly initialised ``model.init`` that adapters alone cannot teach the format).
+    Either way RL starts a fresh adapter on the warm-up's (merged) weights."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -58,6 +58,10 @@ class HFPolicy(OffloadMixin, Policy):
     Forward passes are padding-free: each micro-batch runs as one row of ``T`` packed tokens with
     positions reset per sequence and attention confined to each sequence (see
     :mod:`rl_hf._packed_attention`). Dropout is off (the model stays in eval mode).
+
+    With ``Config.lora`` the model is adapted in place through peft (:mod:`rl_hf._lora`): only
+    the adapters train, ``named_weights`` yields the merged weights and checkpoints hold the
+    adapter (docs/lora.md).
     """
 
     @dataclass(kw_only=True, slots=True)

@@ -32,7 +32,9 @@ async def run(trainer: Trainer) -> bool:
     chat = cfg.mode == "sft"
     if trainer.state["sft_step"] >= cfg.sft.steps:
         return False
-    overrides = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
+    overrides: dict[str, Any] = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
+    if not cfg.sft.lora and cfg.policy.options.get("lora") is not None:
+        overrides["lora"] = None  # a full fine-tuning warm-up
     trainer.policy = build_policy(
         cfg, trainer.runtime, trainer.parts.init_model_path, temperature=1.0, **overrides
     )
