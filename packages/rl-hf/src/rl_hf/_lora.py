@@ -8,8 +8,10 @@ dict and ``disable_adapter()``. Names: ``A`` ``[r, in]``, ``B`` ``[out, r]``, ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,17 @@ def peft_lora_config(lora: LoRAConfig, *, inference: bool = False) -> Any:
     )
 
 
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Hide the FutureWarning peft triggers by reading transformers 5's deprecated
+    ``is_gradient_checkpointing`` when it wraps a model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
+        yield
+
+
 def wrap(model: torch.nn.Module, lora: LoRAConfig, *, seed: int) -> Any:
     """Adapt ``model`` in place with ``lora`` and return the ``PeftModel`` around it.
 
@@ -84,7 +97,7 @@ def wrap(model: torch.nn.Module, lora: LoRAConfig, *, seed: int) -> Any:
         ConfigError: no linear layer of ``model`` matches ``lora.target_modules``.
     """
     peft = _peft()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _quiet_peft():
         torch.manual_seed(seed)
         try:
             peft_model = peft.get_peft_model(model, peft_lora_config(lora), adapter_name=lora.name)
@@ -286,9 +299,10 @@ class GeneratorAdapters:
 
         self.check(lora, tensors)
         if self.peft is None:
-            self.peft = _peft().get_peft_model(
-                self.model, peft_lora_config(lora, inference=True), adapter_name=lora.name
-            )
+            with _quiet_peft():
+                self.peft = _peft().get_peft_model(
+                    self.model, peft_lora_config(lora, inference=True), adapter_name=lora.name
+                )
         elif lora.name not in self.configs:
             self.peft.add_adapter(lora.name, peft_lora_config(lora, inference=True))
         self.configs[lora.name] = lora
