@@ -173,3 +173,22 @@ def test_merged_sync_publishes_full_weights(
     assert len(updates) == 1 and adapter_of(updates[0]) is None
     assert trainer.generator.active_adapter is None
     assert trainer.generator.weight_version == trainer.policy.version
+
+
+def test_colocated_offload_leaves_the_base_view_to_the_policy(tiny_recipe_dict, tmp_path) -> None:
+    """With the colocated hand-over a LoRA run trains exactly as without it; the base-view
+    reference is not offloaded on its own (its memory is the policy's)."""
+    out = {}
+    for offload in (True, False):
+        recipe = _recipe(tiny_recipe_dict, tmp_path / str(offload), steps=2)
+        recipe["runtime"] = {"layout": "colocated", "offload_policy": offload}
+        trainer = Trainer(load_trainer_config(recipe))
+        records = trainer.run()
+        out[offload] = [
+            {k: v for k, v in r.items() if not k.startswith(("perf/", "memory/"))}
+            for r in records
+            if r["phase"] == "rl"
+        ]
+        if offload:
+            assert trainer.handover.models() == [trainer.policy]
+    assert out[True] == out[False]
