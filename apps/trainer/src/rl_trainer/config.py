@@ -253,6 +253,10 @@ class SFTConfig:
     lr: NonNegFloat | None = None
     """Learning rate of the warm-up (default: the policy's). RL starts from the warm-up's
     weights with a fresh optimizer at the policy's learning rate."""
+    lora: bool = True
+    """With ``policy.lora``: train the warm-up's adapter (true) or every weight (false, e.g.
+    on a randomly initialised ``model.init`` that adapters alone cannot teach the format).
+    Either way RL starts a fresh adapter on the warm-up's (merged) weights."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -301,6 +305,11 @@ class RLConfig:
     ``rl.mask_older_than``, or reweight it with ``algorithm.loss.correction: tis``. Needs the
     default single-turn generation (no ``rollout.generate_fn``) and a generator that supports
     abort. Where an abort lands depends on timing, so runs are not bit-reproducible."""
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
+    """What a LoRA policy (``policy.lora``) publishes to the generator: ``adapter`` only the
+    adapter tensors (peft names, a few MB; the generator loads them as a named adapter on its
+    base), ``merged`` the merged full weights, ``auto`` the adapter when the generator takes
+    adapters (``hf`` does) and the runtime is local, else merged. Ignored without LoRA."""
 
     @property
     def updates_per_step(self) -> int:

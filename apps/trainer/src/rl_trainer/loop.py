@@ -85,6 +85,8 @@ class Trainer:
         self.policy: Any = None
         self.generator: Any = None
         self.reference: Any = None
+        self.adapter_sync = False
+        """The RL phase publishes LoRA adapters, not full weights (``rl.lora_sync``)."""
         self.teacher: Any = None
         """The frozen distillation teacher (``teacher``; :mod:`rl_trainer.teacher`)."""
         self.critic: Any = None

@@ -79,7 +79,9 @@ class Handover:
         t = self.trainer
         teacher = getattr(t, "teacher", None)
         teacher = teacher if hasattr(teacher, "offload") else None
-        return [m for m in (t.policy, t.critic, t.reference, teacher) if m is not None]
+        models = (t.policy, t.critic, t.reference, teacher)
+        # A LoRA run's reference is the policy's base view (rl_trainer.lora): no own memory.
+        return [m for m in models if m is not None and not getattr(m, "shares_policy", False)]
 
     def measure(self, phase: str, record: dict[str, Any]) -> None:
         """Add ``memory/<phase>_bytes`` and ``memory/<phase>_rss_bytes`` to ``record``."""
@@ -130,13 +132,13 @@ class Handover:
     async def publish(self, record: dict[str, Any]) -> float:
         """After training: publish the weights, offload the models, give the generator its
         memory back and load the published weights; returns the seconds it took."""
-        from rl_trainer import stages
+        from rl_trainer import lora, stages
 
         run = self.trainer
         self.measure("train", record)
         t0 = time.perf_counter()
         version = run.policy.version
-        update = stages.publish_only(run, version, run.policy.named_weights())
+        update = stages.publish_only(run, version, lora.policy_weights(run))
         self.measure("publish", record)
         self.offload_models()
         self.measure("offload", record)

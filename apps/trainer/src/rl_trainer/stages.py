@@ -31,7 +31,7 @@ from rl_core.batching import gather_response, pack_rollouts, scatter_response
 from rl_core.errors import RLError
 from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
-from rl_trainer import ppo_updates, routing, teacher
+from rl_trainer import lora, ppo_updates, routing, teacher
 from rl_trainer.build import component_name
 from rl_trainer.failures import exhausted_error
 from rl_trainer.pipeline import Weights
@@ -486,7 +486,7 @@ def publish_only(run: Trainer, version: int, weights: Iterable[tuple[str, torch.
     (the colocated hand-over loads it only after the generator has its memory back)."""
     if run.runtime is not None:  # ray: policy rank 0 publishes what it holds
         return run.runtime.publish(version, weights)
-    return run.transport.publish(version, weights)
+    return lora.mark_update(run, run.transport.publish(version, weights))
 
 
 async def load_update(run: Trainer, version: int, update: Any) -> None:
@@ -507,7 +507,7 @@ async def publish(run: Trainer, version: int, weights: Iterable[tuple[str, torch
 async def sync_weights(run: Trainer) -> float:
     """Bring the generator to the policy's current weights; returns the seconds it took."""
     t0 = time.perf_counter()
-    await publish(run, run.policy.version, run.policy.named_weights())
+    await publish(run, run.policy.version, lora.policy_weights(run))
     return time.perf_counter() - t0
 
 
@@ -522,5 +522,5 @@ async def serve(run: Trainer, version: int, weights: Weights | None) -> None:
                 f"weights of version {version} were not kept (policy is at "
                 f"{run.policy.version}); this is a bug in the rollout pipeline."
             )
-        weights = run.policy.named_weights()
+        weights = lora.policy_weights(run)
     await publish(run, version, weights)

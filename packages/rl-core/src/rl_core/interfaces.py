@@ -242,6 +242,10 @@ class Generator(abc.ABC):
     supports_routing: ClassVar[bool] = False
     """Honours ``GenerationRequest.return_routing``: returns the experts a mixture-of-experts
     model chose for every token in ``GenerationResult.routed_experts``."""
+    supports_lora_adapters: ClassVar[bool] = False
+    """``update_weights`` takes adapter-only updates (:func:`rl_core.lora.adapter_of` is not
+    ``None``: peft-named LoRA tensors, loaded as the named adapter on the served base); without
+    it a trainer publishes merged full weights instead."""
     truncated_logprobs: ClassVar[bool] = False
     """``output_logprobs`` are under the distribution actually sampled from: the
     temperature-scaled softmax renormalised over the top-k / top-p candidate set

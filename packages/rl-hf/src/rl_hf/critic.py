@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rl_core.critics import PolicyCriticMixin
-from rl_core.errors import CheckpointError
+from rl_core.errors import CheckpointError, ConfigError
 from rl_core.interfaces import Critic
 from rl_core.types import TrainBatch
 from rl_hf.policy import HFPolicy
@@ -43,7 +43,16 @@ class HFCritic(PolicyCriticMixin, HFPolicy, Critic):
 
     @dataclass(kw_only=True, slots=True)
     class Config(HFPolicy.Config):
-        """Settings of :class:`HFCritic` (those of :class:`HFPolicy`; ``temperature`` is unused)."""
+        """Settings of :class:`HFCritic` (those of :class:`HFPolicy`; ``temperature`` is unused,
+        ``lora`` is not supported: a critic trains every weight)."""
+
+        def __post_init__(self) -> None:
+            HFPolicy.Config.__post_init__(self)
+            if self.lora is not None:
+                raise ConfigError(
+                    "critic.lora: the critic trains every weight and its value head; remove "
+                    "critic.lora (LoRA is a policy option, policy.lora)."
+                )
 
     value_head: torch.nn.Linear
     """``Linear(hidden, 1)`` in float32 on the model's device."""

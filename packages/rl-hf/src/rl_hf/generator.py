@@ -62,6 +62,7 @@ from rl_core.config import NonNegFloat, NonNegInt, PositiveInt, Range, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.logprobs import truncate_logits
+from rl_core.lora import AdapterInfo, adapter_of
 from rl_core.routing import pad_routing
 from rl_core.types import (
     FinishReason,
@@ -103,6 +104,9 @@ class HFGenerator(Generator):
     ``ConfigError``."""
     truncated_logprobs: ClassVar[bool] = True
     """Log-probs are under the top-k / top-p truncated distribution each token was drawn from."""
+    supports_lora_adapters: ClassVar[bool] = True
+    """Takes adapter-only updates (:func:`rl_core.lora.adapter_of`): the model is adapted in
+    place through peft, several adapters are kept by name, the last loaded one generates."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -230,6 +234,9 @@ class HFGenerator(Generator):
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if pad is not None and 0 <= pad < self.vocab_size else 0
         self._state = self.model.state_dict(keep_vars=False)
+        from rl_hf._lora import GeneratorAdapters
+
+        self._adapters = GeneratorAdapters(self.model)
         mc = self.model.config
         # transformers 5.x names the KV-cache argument ``cache`` (``past_key_values`` still works
         # but warns, and goes in 5.40); 4.x knows only ``past_key_values``.
@@ -296,8 +303,45 @@ class HFGenerator(Generator):
 
         Call :meth:`abort` first to cut a long batch short. On failure the old weights and version
         stay (the transport verifies everything before :meth:`load_weights` touches the model).
+        With an adapter-only update (:func:`rl_core.lora.adapter_of`) the tensors go to
+        :meth:`load_adapter` under the update's adapter name.
         """
-        await asyncio.to_thread(transport.apply, update, self)
+        info = adapter_of(update)
+        target: Any = self if info is None else _AdapterTarget(self, info)
+        await asyncio.to_thread(transport.apply, update, target)
+
+    @property
+    def active_adapter(self) -> str | None:
+        """The LoRA adapter generation uses (the one loaded last), or ``None``: the base."""
+        return self._adapters.active
+
+    def load_adapter(
+        self, info: AdapterInfo, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Load the adapter ``info`` (peft-named tensors, all ``A`` and ``B`` of its targets)
+        between batches, make it the active one and set ``version``; the base weights stay.
+        Everything is checked before the model changes.
+
+        Raises:
+            WeightSyncError: the adapter does not fit the served model (names, shapes, targets),
+                its settings are not plain LoRA, or an adapter of that name had other settings.
+        """
+        try:
+            lora = info.lora
+        except ConfigError as e:
+            raise WeightSyncError(f"HFGenerator.load_adapter: adapter {info.name!r}: {e}") from e
+        tensors = dict(named_tensors)
+        with self._cond:
+            self._updates_waiting += 1
+        try:
+            with self._weights_lock, torch.no_grad():
+                self._adapters.load(lora, tensors)
+                self._state = self._adapters.base_state()
+                self._version = int(version)
+        finally:
+            with self._cond:
+                self._updates_waiting -= 1
+                self._cond.notify_all()
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
@@ -699,6 +743,25 @@ class HFGenerator(Generator):
             **{self._cache_arg: cache},
             use_cache=True,
         ).logits[:, -1]
+
+
+class _AdapterTarget:
+    """The :class:`~rl_core.interfaces.WeightTarget` a transport applies an adapter-only update
+    to: :meth:`HFGenerator.load_adapter` under the update's adapter."""
+
+    def __init__(self, generator: HFGenerator, info: AdapterInfo) -> None:
+        self.generator, self.info = generator, info
+
+    @property
+    def weight_version(self) -> int:
+        """The generator's version."""
+        return self.generator.weight_version
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Load the adapter tensors (peft names)."""
+        self.generator.load_adapter(self.info, named_tensors, version=version)
 
 
 def _prefill_routing(

@@ -21,6 +21,7 @@ second instance serves as the frozen reference model for KL losses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -36,9 +37,11 @@ import torch
 from rl_core.config import NonNegInt, OptimizerConfig, PositiveFloat, Range, Seed
 from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
-from rl_core.logprobs import linear_logprobs, truncate_logits, truncates
+from rl_core.logprobs import linear_logprobs
+from rl_core.lora import LoRAConfig
 from rl_core.offload import OffloadConfig
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_hf._hf import enable_activation_checkpointing, hf_state_dict, token_logprobs
 from rl_hf._offload import OffloadMixin
 
 __all__ = ["HFPolicy", "token_logprobs"]
@@ -49,83 +52,16 @@ STATE_FILE = "rl_policy_state.pt"
 """File (next to the HF weights) holding the version and, optionally, optimizer and scheduler."""
 
 
-def token_logprobs(
-    logits_TV: torch.Tensor,
-    tokens_T: torch.Tensor,
-    starts_T: torch.Tensor,
-    *,
-    temperature: PositiveFloat = 1.0,
-    with_entropy: bool = False,
-    top_p: float = 1.0,
-    top_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each token under the logits of the position before it, and that entropy.
-
-    Args:
-        logits_TV: ``[T, V]`` logits of a packed forward (position ``t`` predicts ``t + 1``).
-        tokens_T: ``[T]`` int64 token ids.
-        starts_T: ``[T]`` bool, True at the first token of each sequence.
-        temperature: logits are divided by it before the softmax.
-        with_entropy: also return the entropy of each predictive distribution.
-        top_p: renormalise over the sampler's top-p candidate set (1: off), see
-            :func:`rl_core.logprobs.truncate_logits`; the entropy is then the truncated one.
-        top_k: renormalise over the sampler's top-k candidate set (0: off).
-
-    Returns:
-        ``logp_T`` (float32, 0 at sequence starts) and ``entropy_T`` (or ``None``).
-        Memory: besides ``logits_TV`` at most one ``[T, V]`` temporary exists at a time
-        (log-sum-exp and gather instead of a full ``log_softmax``).
-    """
-    if tokens_T.shape[0] == 0:
-        empty_T = logits_TV.new_zeros(0, dtype=torch.float32)
-        return empty_T, (empty_T if with_entropy else None)
-    logits_SV = logits_TV[:-1]
-    if logits_SV.dtype != torch.float32:
-        logits_SV = logits_SV.float()
-    if temperature != 1.0:
-        logits_SV = logits_SV / temperature
-    if truncates(top_p, top_k):
-        logits_SV = truncate_logits(logits_SV, top_p=top_p, top_k=top_k, keep_R=tokens_T[1:])
-    lse_S = torch.logsumexp(logits_SV, dim=-1)
-    target_S = logits_SV.gather(-1, tokens_T[1:, None]).squeeze(-1)
-    keep_T = ~starts_T
-    zero_1 = lse_S.new_zeros(1)
-    logp_T = torch.where(keep_T, torch.cat([zero_1, target_S - lse_S]), 0.0)
-    if not with_entropy:
-        return logp_T, None
-    # H = lse - sum_v p_v * z_v; the dot product runs as a batched matmul (no [S, V] product).
-    p_SV = torch.softmax(logits_SV, dim=-1)
-    if truncates(top_p, top_k):  # cut entries: p = 0 and z = -inf; their product is 0
-        logits_SV = logits_SV.nan_to_num(neginf=0.0)
-    expected_S = torch.bmm(p_SV.unsqueeze(1), logits_SV.unsqueeze(2)).view(-1)
-    entropy_S = (lse_S - expected_S).clamp_min(0.0)
-    entropy_T = torch.where(keep_T, torch.cat([zero_1, entropy_S]), 0.0)
-    return logp_T, entropy_T
-
-
-def _hf_state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The state dict (in-memory names) of the Hugging Face model saved in ``path``."""
-    from transformers import AutoModelForCausalLM
-
-    from rl_hf._hf import quiet_progress
-
-    try:
-        with quiet_progress():
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{path}: transformers cannot load the saved model ({e}); was it written by "
-            "HFPolicy.save?"
-        ) from e
-    return {n: t.detach() for n, t in model.state_dict().items()}
-
-
 class HFPolicy(OffloadMixin, Policy):
     """A trainable Hugging Face causal LM (``AutoModelForCausalLM``) on one device.
 
     Forward passes are padding-free: each micro-batch runs as one row of ``T`` packed tokens with
     positions reset per sequence and attention confined to each sequence (see
     :mod:`rl_hf._packed_attention`). Dropout is off (the model stays in eval mode).
+
+    With ``Config.lora`` the model is adapted in place through peft (:mod:`rl_hf._lora`): only
+    the adapters train, ``named_weights`` yields the merged weights and checkpoints hold the
+    adapter (docs/lora.md).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -175,6 +111,12 @@ class HFPolicy(OffloadMixin, Policy):
         """Recompute each decoder layer's activations in backward (transformers' gradient
         checkpointing, non-reentrant) instead of keeping them: less memory, about one more
         forward of compute per step; gradients unchanged."""
+        lora: LoRAConfig | None = None
+        """Train low-rank adapters (through ``peft``) instead of every weight; the base stays
+        frozen and AdamW holds adapter state only. ``named_weights`` then yields the merged
+        weights, ``named_adapter_weights`` the adapter (peft names), ``compute_base_logprobs``
+        the base model's log-probs, and checkpoints hold the adapter alone. ``None``: full
+        fine-tuning."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -243,8 +185,14 @@ class HFPolicy(OffloadMixin, Policy):
         self._router_tap = RouterTap.attach(self.model)  # None for a dense model
         self._routing_sink: list[torch.Tensor] | None = None
         self._check_head_for_hidden_path(path)
+        self._peft: Any = None  # the peft wrapper of self.model (LoRA only)
+        if config.lora is not None:
+            from rl_hf import _lora
+
+            self._peft = _lora.wrap(self.model, config.lora, seed=config.seed)
+            self.model.eval()  # the injected adapter modules are built in training mode
         if config.activation_checkpointing:
-            _enable_activation_checkpointing(self.model)
+            enable_activation_checkpointing(self.model)
         self._version = 0
         self._params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(  # state is allocated lazily, at the first step
@@ -498,7 +446,8 @@ class HFPolicy(OffloadMixin, Policy):
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
         rng_devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices):
+        dropout = self._peft is not None and self.config.lora.dropout > 0
+        with torch.random.fork_rng(devices=rng_devices), self._lora_dropout(dropout):
             torch.manual_seed(self.config.seed + self._version)
             for mb in batch.micro_batches():
                 mb_dev = self._on_device(mb)
@@ -531,6 +480,21 @@ class HFPolicy(OffloadMixin, Policy):
         metrics.update(metric_sums)
         return metrics
 
+    @contextlib.contextmanager
+    def _lora_dropout(self, on: bool) -> Iterator[None]:
+        """The adapters' dropout active inside (``train_step`` with ``lora.dropout > 0``);
+        everywhere else the model stays in eval mode, so log-probs are deterministic."""
+        if not on:
+            yield
+            return
+        from rl_hf._lora import set_lora_dropout
+
+        set_lora_dropout(self.model, True)
+        try:
+            yield
+        finally:
+            set_lora_dropout(self.model, False)
+
     def _on_device(self, batch: TrainBatch) -> TrainBatch:
         if batch.tokens.device == self.device:
             return batch
@@ -550,11 +514,55 @@ class HFPolicy(OffloadMixin, Policy):
         ``model.embed_tokens.weight``, and neither ``save_pretrained`` files nor SGLang's
         loaders carry it for tied models. Tensors are detached views of the live weights: copy
         them if you keep them across a ``train_step``.
+
+        With ``lora`` the adapted weights are merged (``W + scaling * B @ A``, fresh tensors)
+        under their Hugging Face names; neither adapter tensors nor peft's ``base_layer`` names
+        appear.
         """
+        if self._peft is not None:
+            from rl_hf._lora import merged_named_weights
+
+            skip = frozenset({"lm_head.weight"} if self._tied else ())
+            yield from merged_named_weights(self.model, skip=skip)
+            return
         for name, tensor in self.model.state_dict().items():
             if self._tied and name == "lm_head.weight":
                 continue
             yield name, tensor.detach()
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """``config.lora``: the adapter this policy trains, or ``None`` (full fine-tuning)."""
+        return self.config.lora
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter tensors in peft naming, exactly as ``peft.get_peft_model_state_dict``
+        gives them (``base_model.model.<module>.lora_A.weight`` ``[r, in]``, ``lora_B``
+        ``[out, r]``), detached views of the live tensors.
+
+        Raises:
+            ConfigError: the policy has no adapter (``lora`` is not set).
+        """
+        if self._peft is None:
+            yield from Policy.named_adapter_weights(self)
+            return
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self._peft, adapter_name=self.config.lora.name)
+        for name, tensor in state.items():
+            yield name, tensor.detach()
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
+        """:meth:`compute_logprobs` of the frozen base model (adapters disabled through peft's
+        ``disable_adapter()``): the KL reference without a second copy of the model.
+
+        Raises:
+            ConfigError: the policy has no adapter (``lora`` is not set).
+        """
+        if self._peft is None:
+            return Policy.compute_base_logprobs(self, batch)
+        with self._peft.disable_adapter():
+            return self.compute_logprobs(batch)
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
@@ -563,6 +571,9 @@ class HFPolicy(OffloadMixin, Policy):
 
         All names and shapes are checked before any weight changes. Names not given keep their
         values; for a tied model ``lm_head.weight`` is accepted and written to the shared matrix.
+
+        With ``lora``, Hugging Face names write the frozen *base* weights (the merged view is
+        then base plus adapter) and peft names (:meth:`named_adapter_weights`) the adapter.
 
         Raises:
             WeightSyncError: an unknown name or a shape mismatch (nothing is changed).
@@ -573,7 +584,7 @@ class HFPolicy(OffloadMixin, Policy):
     def _copy_in(
         self, tensors: dict[str, torch.Tensor], *, error: type[RLError], source: str
     ) -> None:
-        state = self.model.state_dict()
+        state = self._live_state()
         if self._tied and "lm_head.weight" in tensors:
             lm_head = tensors.pop("lm_head.weight")
             tensors.setdefault("model.embed_tokens.weight", lm_head)
@@ -592,6 +603,22 @@ class HFPolicy(OffloadMixin, Policy):
             for name, tensor in tensors.items():
                 state[name].copy_(tensor)
 
+    def _live_state(self) -> dict[str, torch.Tensor]:
+        """The live tensors by the names :meth:`load_weights` takes: the ``state_dict`` names,
+        and with ``lora`` the base weights under Hugging Face names plus the adapter tensors
+        under peft names."""
+        state = self.model.state_dict()
+        if self._peft is None:
+            return state
+        adapter = f".{self.config.lora.name}."
+        live = {}
+        for name, tensor in state.items():
+            if ".lora_" in name:  # model...q_proj.lora_A.<adapter>.weight -> peft name
+                live["base_model.model." + name.replace(adapter, ".")] = tensor
+            else:
+                live[name.replace(".base_layer.", ".")] = tensor
+        return live
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
@@ -606,15 +633,44 @@ class HFPolicy(OffloadMixin, Policy):
         (``model.safetensors``), before transformers converts anything: if ``save_pretrained``
         fails (say, a config that does not serialise), the trained weights are still there.
 
+        With ``lora`` the directory holds the adapter alone, in peft format
+        (``adapter_config.json``, ``adapter_model.safetensors``; ``peft.PeftModel.from_pretrained``
+        loads it on the base), plus :data:`rl_hf._lora.BASE_FILE` naming the base model (path
+        and checksum, checked by :meth:`load`) and the state file; :meth:`save_merged` writes
+        the merged Hugging Face model.
+
         Raises:
             CheckpointError: transformers could not write the model directory; the message
                 names the weights file that was written and the cause.
         """
+        out = Path(directory)
+        if self._peft is not None:
+            from rl_hf._lora import write_adapter_checkpoint
+
+            out.mkdir(parents=True, exist_ok=True)
+            write_adapter_checkpoint(out, self._peft, self.config.lora, self.config.model_path)
+        else:
+            self._save_hf(out)
+        self._save_state(out, with_optimizer=with_optimizer)
+
+    def save_merged(self, directory: str | Path) -> None:
+        """Write the model as :meth:`save` does without ``lora``: a Hugging Face directory of
+        the merged weights (:meth:`named_weights`) that ``AutoModelForCausalLM`` loads, plus
+        the state file (version only). Without ``lora`` it is ``save(with_optimizer=False)``.
+
+        Raises:
+            CheckpointError: transformers could not write the model directory.
+        """
+        out = Path(directory)
+        self._save_hf(out)
+        self._save_state(out, with_optimizer=False)
+
+    def _save_hf(self, out: Path) -> None:
+        """The Hugging Face model directory of :meth:`named_weights` (see :meth:`save`)."""
         from safetensors.torch import save_file
 
         from rl_hf._hf import quiet_progress
 
-        out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         raw = out / "model.safetensors"
         weights = {n: t.detach().to("cpu").contiguous() for n, t in self.named_weights()}
@@ -626,7 +682,10 @@ class HFPolicy(OffloadMixin, Policy):
         shutil.rmtree(hf_dir, ignore_errors=True)
         try:
             with quiet_progress():
-                self.model.save_pretrained(str(hf_dir))
+                if self._peft is None:
+                    self.model.save_pretrained(str(hf_dir))
+                else:  # the merged weights, in the base model's layout
+                    self.model.save_pretrained(str(hf_dir), state_dict=weights)
             self.tokenizer.save_pretrained(str(hf_dir))
         except Exception as e:  # transformers raises TypeError, ValueError, OSError, ...
             shutil.rmtree(hf_dir, ignore_errors=True)
@@ -650,6 +709,9 @@ class HFPolicy(OffloadMixin, Policy):
         hf_dir.rmdir()
         if raw.name not in written:  # transformers sharded the weights: its files replace ours
             raw.unlink()
+
+    def _save_state(self, out: Path, *, with_optimizer: bool) -> None:
+        """:data:`STATE_FILE` (version, optimizer and scheduler), written last."""
         state: dict[str, Any] = {"format": 1, "version": self._version}
         if with_optimizer:
             state["optimizer"] = self.optimizer.state_dict()
@@ -669,6 +731,9 @@ class HFPolicy(OffloadMixin, Policy):
 
         src = Path(directory)
         state_path = src / STATE_FILE
+        if self._peft is not None:
+            self._load_adapter_checkpoint(src, with_optimizer=with_optimizer)
+            return
         files = sorted(src.glob("*.safetensors"))
         if not files or not state_path.is_file():
             raise CheckpointError(
@@ -683,39 +748,48 @@ class HFPolicy(OffloadMixin, Policy):
         if missing and (src / "config.json").is_file():
             # transformers saves some families in their hub layout (Qwen3-MoE: one tensor per
             # expert) and fuses them on load; let it convert back to the in-memory names.
-            tensors = _hf_state_dict(src, self.model.dtype)
+            tensors = hf_state_dict(src, self.model.dtype)
             missing = sorted(expected - set(tensors))
         if missing:
             raise CheckpointError(
                 f"{src}: weights {missing[:3]} missing from the checkpoint; was it saved from "
                 "a different model?"
             )
+        state = self._read_state(state_path, with_optimizer=with_optimizer)
+        self._copy_in(tensors, error=CheckpointError, source=str(src))
+        self._restore_state(state, with_optimizer=with_optimizer)
+
+    def _load_adapter_checkpoint(self, src: Path, *, with_optimizer: bool) -> None:
+        """:meth:`load` of an adapter checkpoint: its base must be this policy's base."""
+        from rl_hf._lora import check_base, read_adapter_checkpoint
+
+        state_path = src / STATE_FILE
+        if not state_path.is_file():
+            raise CheckpointError(
+                f"{src}: not a policy checkpoint (no {STATE_FILE}); write one with HFPolicy.save."
+            )
+        check_base(src, self.config.model_path)
+        tensors = dict(read_adapter_checkpoint(src, self.config.lora))
+        expected = {n for n, _ in self.named_adapter_weights()}
+        if set(tensors) != expected:
+            raise CheckpointError(
+                f"{src}: adapter tensors {sorted(set(tensors) ^ expected)[:3]} do not match "
+                "this policy's adapter; was it saved with other policy.lora.target_modules?"
+            )
+        state = self._read_state(state_path, with_optimizer=with_optimizer)
+        self._copy_in(tensors, error=CheckpointError, source=str(src))
+        self._restore_state(state, with_optimizer=with_optimizer)
+
+    def _read_state(self, state_path: Path, *, with_optimizer: bool) -> dict[str, Any]:
         state = torch.load(state_path, map_location=self.device, weights_only=True)
         if with_optimizer and "optimizer" not in state:
             raise CheckpointError(
                 f"{state_path}: saved without optimizer state; load with with_optimizer=False."
             )
-        self._copy_in(tensors, error=CheckpointError, source=str(src))
+        return state
+
+    def _restore_state(self, state: dict[str, Any], *, with_optimizer: bool) -> None:
         if with_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         self._version = int(state["version"])
-
-
-def _enable_activation_checkpointing(model: Any) -> None:
-    """Turn on transformers' non-reentrant gradient checkpointing of every decoder layer.
-
-    transformers checkpoints a layer only while that layer is in training mode; the policy keeps
-    the model in eval mode (dropout off), so only the layer objects themselves are flagged as
-    training (their submodules, dropout included, stay in eval mode).
-    """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            module.training = True

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_trainer import routing, samples, stages, truncation
+from rl_trainer import lora, routing, samples, stages, truncation
 from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
 from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
@@ -70,7 +70,7 @@ async def run(trainer: Trainer) -> bool:
     trainer.handover.onload_models()  # the phase ends with the models on the device
     # The final model first: if writing it fails, the weights are already on disk
     # (HFPolicy.save writes a plain safetensors file before converting).
-    trainer.policy.save(trainer.run_dir / "final_model", with_optimizer=False)
+    lora.save_final(trainer.policy, trainer.run_dir / "final_model")
     trainer.save()
     return False
 
@@ -91,8 +91,13 @@ async def start(trainer: Trainer) -> bool:
     trainer.policy = build_policy(cfg, runtime, start_path, **sampling)
     trainer.generator = await build_generator(cfg, runtime, start_path)
     routing.check_support(cfg.rollout.routing_replay, trainer.policy, trainer.generator)
-    if cfg.algorithm.use_reference:
+    if cfg.algorithm.use_reference and trainer.policy.lora is not None:
+        trainer.reference = lora.BaseReference(trainer.policy)  # adapters off: no second model
+    elif cfg.algorithm.use_reference:
         trainer.reference = build_policy(cfg, runtime, start_path, role="reference", **sampling)
+    trainer.adapter_sync = lora.use_adapter_sync(
+        cfg.rl.lora_sync, trainer.policy, trainer.generator, ray=runtime is not None
+    )
     trainer.teacher = build_teacher(cfg, runtime, temperature=sampling["temperature"])
     if cfg.critic is not None:
         trainer.critic = build_critic(cfg, runtime, start_path)
@@ -210,4 +215,4 @@ def _weights_copy(trainer: Trainer) -> Weights | None:
         return None
     if trainer.runtime is not None:  # ray: the policy ranks keep the copy
         return trainer.policy.keep_copy()
-    return [(n, t.detach().to("cpu", copy=True)) for n, t in trainer.policy.named_weights()]
+    return lora.weights_copy(trainer)  # the adapter alone under adapter sync

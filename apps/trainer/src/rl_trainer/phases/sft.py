@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rl_core.algorithms import SFTLoss
 from rl_core.errors import RLError
 from rl_core.types import Prompt, Rollout
+from rl_trainer import lora
 from rl_trainer.assembly import build_policy
 from rl_trainer.phases import chat_sft
 from rl_trainer.stages import plan_and_pack
@@ -31,7 +32,9 @@ async def run(trainer: Trainer) -> bool:
     chat = cfg.mode == "sft"
     if trainer.state["sft_step"] >= cfg.sft.steps:
         return False
-    overrides = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
+    overrides: dict[str, Any] = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
+    if not cfg.sft.lora and cfg.policy.options.get("lora") is not None:
+        overrides["lora"] = None  # a full fine-tuning warm-up
     trainer.policy = build_policy(
         cfg, trainer.runtime, trainer.parts.init_model_path, temperature=1.0, **overrides
     )
@@ -56,12 +59,16 @@ async def run(trainer: Trainer) -> bool:
             await trainer.stop(saved=saved)
             return True
     if chat:  # the run ends here: the final model, then the last checkpoint
-        trainer.policy.save(trainer.run_dir / "final_model", with_optimizer=False)
+        lora.save_final(trainer.policy, trainer.run_dir / "final_model")
         if not saved:
             trainer.save()
         return False
     tmp = trainer.run_dir / ".tmp-sft_model"
-    trainer.policy.save(tmp, with_optimizer=False)
+    # The RL phase starts from a Hugging Face model: a LoRA warm-up's adapter is merged in.
+    if trainer.policy.lora is not None:
+        trainer.policy.save_merged(tmp)
+    else:
+        trainer.policy.save(tmp, with_optimizer=False)
     if trainer.sft_model_path.exists():
         shutil.rmtree(trainer.sft_model_path)
     tmp.rename(trainer.sft_model_path)

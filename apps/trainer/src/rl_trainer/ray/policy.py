@@ -117,6 +117,27 @@ class PolicyRank:
             lambda: model.compute_logprobs(batch, with_entropy=with_entropy)
         )
 
+    def compute_base_logprobs(self, batch: TrainBatch, role: str) -> LogProbOutput:
+        """``Policy.compute_base_logprobs`` of ``role`` (LoRA: the base with adapters off)."""
+        model = self.models[role]
+        return self._on_model_thread(lambda: model.compute_base_logprobs(batch))
+
+    def named_adapter_weights(self, role: str) -> list[tuple[str, torch.Tensor]]:
+        """``Policy.named_adapter_weights`` of ``role`` as CPU copies (small: LoRA only)."""
+        model = self.models[role]
+        return self._on_model_thread(
+            lambda: [(n, t.detach().to("cpu", copy=True)) for n, t in model.named_adapter_weights()]
+        )
+
+    def lora(self, role: str) -> Any:
+        """``Policy.lora`` of ``role``."""
+        return self.models[role].lora
+
+    def save_merged(self, role: str, directory: str) -> None:
+        """``save_merged`` of ``role`` (a LoRA policy's merged Hugging Face model)."""
+        model = self.models[role]
+        self._on_model_thread(lambda: model.save_merged(directory))
+
     def train_step(
         self, batch: TrainBatch, role: str, loss_fn: LossFn
     ) -> tuple[dict[str, float], int]:
@@ -391,6 +412,29 @@ class RayPolicy(_RankGroup, Policy):
             entropy=torch.cat(ent) if with_entropy and all(e is not None for e in ent) else None,
             routed_experts=torch.cat(routed) if all(r is not None for r in routed) else None,
         )
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
+        """Base-model log-probs (LoRA adapters disabled) on every rank; rank 0's result, or
+        each replica's shard concatenated in shard order."""
+        outs = self._sharded("compute_base_logprobs", batch, train=False)
+        if len(outs) == 1:
+            return outs[0]
+        return LogProbOutput(logprobs=torch.cat([o.logprobs for o in outs]))
+
+    @property
+    def lora(self) -> Any:
+        """The ranks' ``Policy.lora`` (rank 0's)."""
+        if not hasattr(self, "_lora"):
+            self._lora = self._call("lora", self.role)[0]
+        return self._lora
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter tensors (peft names) as CPU copies from rank 0 (every rank is called)."""
+        return iter(self._call("named_adapter_weights", self.role)[0])
+
+    def save_merged(self, directory: str | Path) -> None:
+        """Every rank writes the merged model (rank 0 the files); a shared filesystem."""
+        self._call("save_merged", self.role, str(directory))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on every rank (each data-parallel replica on its shard); rank 0's

@@ -473,6 +473,42 @@ class PolicyConformance(ConformanceSuite):
         top = pack_sequences([[0, shape.vocab_size - 1]])
         assert policy.compute_logprobs(top).logprobs.shape == (2,)
 
+    def test_lora_trains_adapter_only(self, policy: Policy) -> None:
+        """With ``policy.lora`` set: a fresh adapter leaves the model as it was (base log-probs
+        equal the policy's); ``named_adapter_weights`` yields peft names with ``A`` ``[r, in]``
+        and ``B`` ``[out, r]``; a step changes the adapter and the (merged) log-probs but not
+        the base log-probs. Skipped for full fine-tuning (``lora`` is ``None``).
+
+        Troubleshooting: changed base log-probs mean the base is not frozen (the optimizer
+        holds base weights) or disabling the adapters does not reach every layer; a fresh
+        adapter that changes the model means ``B`` was not initialised to zero.
+        """
+        lora = policy.lora
+        if lora is None:
+            pytest.skip("the policy trains every weight (policy.lora is None)")
+        from rl_core.lora import module_of
+
+        batch = self._train_batch(policy, [6, 9], seed=11)
+        base_T = policy.compute_base_logprobs(batch).logprobs
+        torch.testing.assert_close(
+            policy.compute_logprobs(batch).logprobs, base_T, atol=self.logprob_atol, rtol=0
+        )
+        before = {n: t.detach().cpu().clone() for n, t in policy.named_adapter_weights()}
+        assert before, "named_adapter_weights yielded nothing"
+        for name, tensor in before.items():
+            module, which = module_of(name)
+            assert name.startswith("base_model.model."), name
+            assert lora.targets(module), f"{name}: not a target of policy.lora"
+            assert tensor.shape[0 if which == "A" else 1] == lora.rank, (name, tensor.shape)
+        self._train(policy, batch, sft_loss)
+        after = {n: t.detach().cpu() for n, t in policy.named_adapter_weights()}
+        assert sorted(after) == sorted(before)
+        assert _max_diff(after, before) > 0, "the adapter did not change"
+        assert not torch.equal(policy.compute_logprobs(batch).logprobs, base_T)
+        torch.testing.assert_close(
+            policy.compute_base_logprobs(batch).logprobs, base_T, atol=self.logprob_atol, rtol=0
+        )
+
     def test_offload_onload(self, policy: Policy) -> None:
         """``offload`` then ``onload`` leaves log-probs and version unchanged.
 
