@@ -199,3 +199,24 @@ def test_lora_checkpoint_holds_adapter_and_resumes_exactly(
         _lora_policy(model_dirs["llama"], lr=LR).load(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="policy.lora"):
         MegatronPolicy(MegatronPolicy.Config(model_path=str(path))).load(tmp_path / "ckpt")
+
+
+def test_save_merged_is_a_plain_model_with_the_adapter_folded_in(
+    model_dirs: dict[str, Path], adapters: dict, tmp_path: Path
+) -> None:
+    """save_merged() (the trainer's final_model of a LoRA run) writes a Hugging Face directory
+    a policy without lora loads to the same log-probs as the adapted one."""
+    path = model_dirs["qwen2"]
+    a = _lora_policy(path, adapters["qwen2"], lr=LR)
+    batch = random_batch(a.model_shape.vocab_size, [6, 4], seed=3, micro_batch_bounds=(0, 1, 2))
+    a.train_step(batch, sft_loss)
+    a.save_merged(tmp_path / "merged")
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert not (tmp_path / "merged" / "adapter_model.safetensors").exists()
+    plain = MegatronPolicy(MegatronPolicy.Config(model_path=str(tmp_path / "merged")))
+    torch.testing.assert_close(
+        plain.compute_logprobs(batch).logprobs,
+        a.compute_logprobs(batch).logprobs,
+        atol=1e-5,
+        rtol=0,
+    )

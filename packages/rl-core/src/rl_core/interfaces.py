@@ -164,6 +164,22 @@ class Policy(abc.ABC):
             "train and publish adapters."
         )
 
+    def save_merged(self, directory: str | Path) -> None:
+        """Write the model with its adapter folded in (``W + scaling * B @ A``) as a Hugging Face
+        directory a policy or generator without LoRA loads; without ``lora``:
+        ``save(directory, with_optimizer=False)``.
+
+        Raises:
+            ConfigError: the policy has an adapter but cannot merge it.
+        """
+        if self.lora is None:
+            self.save(directory, with_optimizer=False)
+            return
+        raise ConfigError(
+            f"{type(self).__name__} cannot write its LoRA adapter merged into the base; export "
+            "the adapter (save) and merge with peft's merge_and_unload."
+        )
+
     def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
         """Log-probs ``[T]`` of the frozen base model (adapters disabled): the reference of the
         KL term, with no second copy of the base in memory.

@@ -52,9 +52,6 @@ class _CheckpointMixin(_PolicyState):
                 file) the distributed optimizer's state would not load back as it is; see
                 :func:`~rl_megatron.checkpoint.save_distributed`.
         """
-        from safetensors.torch import save_file
-
-        from rl_megatron.checkpoint import DIST_DIR, DISTOPT_SHARDING, save_distributed
 
         out = Path(directory)
         rank = self.layout.rank
@@ -64,17 +61,48 @@ class _CheckpointMixin(_PolicyState):
         else:
             weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
         if rank == 0 and lora is None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / STATE_FILE).unlink(missing_ok=True)
-            shutil.rmtree(out / DIST_DIR, ignore_errors=True)
-            shutil.rmtree(out / OPTIM_DIR, ignore_errors=True)  # format 1 (per-rank files)
-            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-            self.hf_config.save_pretrained(str(out))
-            src_gen = Path(self.config.model_path) / "generation_config.json"
-            if src_gen.is_file() and src_gen.resolve() != (out / src_gen.name).resolve():
-                shutil.copyfile(src_gen, out / src_gen.name)
-            self.tokenizer.save_pretrained(str(out))
+            self._write_hf_dir(out, weights)
         torch.distributed.barrier()
+        self._finish_save(out, with_optimizer=with_optimizer, lora=lora)
+
+    def save_merged(self, directory: str | Path) -> None:
+        """Write the merged model (:meth:`named_weights`: base plus ``scaling * B @ A``) as a
+        Hugging Face directory that ``AutoModelForCausalLM`` (and this policy without ``lora``)
+        loads, with a state file holding the version and no optimizer state (collective).
+        Without ``policy.lora`` it is ``save(with_optimizer=False)``."""
+        if getattr(self.config, "lora", None) is None:
+            self.save(directory, with_optimizer=False)
+            return
+        out = Path(directory)
+        weights = {n: t.detach().cpu().contiguous().clone() for n, t in self.named_weights()}
+        if self.layout.rank == 0:
+            self._write_hf_dir(out, weights)
+        torch.distributed.barrier()
+        self._finish_save(out, with_optimizer=False, lora=None)
+
+    def _write_hf_dir(self, out: Path, weights: dict[str, torch.Tensor]) -> None:
+        """(Rank 0) config, ``model.safetensors``, generation config and tokenizer into ``out``;
+        an older state file and optimizer state there are removed first."""
+        from safetensors.torch import save_file
+
+        from rl_megatron.checkpoint import DIST_DIR
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STATE_FILE).unlink(missing_ok=True)
+        shutil.rmtree(out / DIST_DIR, ignore_errors=True)
+        shutil.rmtree(out / OPTIM_DIR, ignore_errors=True)  # format 1 (per-rank files)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(str(out))
+        src_gen = Path(self.config.model_path) / "generation_config.json"
+        if src_gen.is_file() and src_gen.resolve() != (out / src_gen.name).resolve():
+            shutil.copyfile(src_gen, out / src_gen.name)
+        self.tokenizer.save_pretrained(str(out))
+
+    def _finish_save(self, out: Path, *, with_optimizer: bool, lora: Any) -> None:
+        """The optimizer state (with ``with_optimizer``) and, last, the state file (collective)."""
+        from rl_megatron.checkpoint import DIST_DIR, DISTOPT_SHARDING, save_distributed
+
+        rank = self.layout.rank
         if with_optimizer:
             save_distributed(
                 self.module,
@@ -95,7 +123,7 @@ class _CheckpointMixin(_PolicyState):
                     DISTOPT_SHARDING if self.config.use_distributed_optimizer else None
                 ),
                 "layout": self._layout_record(),
-                "lora": self._lora_record(),
+                "lora": self._lora_record() if lora is not None else None,
             }
             tmp = out / (STATE_FILE + ".tmp")
             torch.save(state, tmp)

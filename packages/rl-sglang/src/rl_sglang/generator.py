@@ -113,6 +113,9 @@ class SGLangGenerator(
     supports_routing: ClassVar[bool] = True
     """SGLang records mixture-of-experts routing (``return_routed_experts``); an instance says
     ``False`` unless it serves a MoE model with capture on (``Config.capture_routing``)."""
+    supports_lora_adapters: ClassVar[bool] = True
+    """Adapter-only weight updates load as SGLang LoRA adapters; an instance says ``False``
+    unless its servers run with ``enable_lora`` (then the trainer publishes merged weights)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -390,6 +393,7 @@ class SGLangGenerator(
         self.supports_routing = captures and self.routing_layout is not None  # type: ignore[misc]
         self.supports_lora: bool = bool(info.get("enable_lora"))
         """The servers serve LoRA adapters (launched with ``enable_lora``)."""
+        self.supports_lora_adapters = self.supports_lora  # type: ignore[misc]
         self._lora: dict[str, str] = {}
         self._lora_alias: dict[str, str] = {}  # adapter name -> versioned name (adapter updates)
         self._default_lora: str | None = None

@@ -366,6 +366,9 @@ class SGLangTopology(Generator):
         self.supports_routing = bool(  # type: ignore[misc]
             getattr(self._groups[self.default_group], "supports_routing", False)
         )
+        self.supports_lora_adapters = all(  # type: ignore[misc]
+            getattr(g, "supports_lora_adapters", False) for g in policy
+        )
         self._closed = False
 
     # ------------------------------------------------------------------ groups
