@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from rl_buffer import GroupBuffer
 from rl_core.types import Group, Prompt, Rollout
@@ -116,11 +117,18 @@ def test_multiturn_partial_rollouts_resume_the_cut_turn(tmp_path, tiny_recipe_di
 
 def test_continuous_mode_trains_within_the_staleness_bound(tmp_path, tiny_recipe_dict, three_turns):
     run_dir = tmp_path / "run"
-    cfg = load_trainer_config(_recipe(tiny_recipe_dict, run_dir, steps=4, async_mode="continuous"))
-    Trainer(cfg).run()
+    recipe = _recipe(tiny_recipe_dict, run_dir, steps=4, async_mode="continuous")
+    recipe["eval"] = {"every": 2}  # the producer pauses for eval and checkpoints, then goes on
+    recipe["checkpoint"] = {"every": 2}
+    Trainer(load_trainer_config(recipe)).run()
     rows = _rl_rows(run_dir)
     _check_episodes(three_turns(), rows, steps=4)
     assert all(r["rollout/rounds_taken"] >= 1 for r in rows)
+    assert [r["step"] for r in rows if any(k.startswith("eval/") for k in r)] == [2, 4]
+    state = torch.load(
+        run_dir / "checkpoints" / "step_000004" / "trainer_state.pt", weights_only=False
+    )
+    assert state["pipeline"]["continuous"] is True
 
 
 def _group(uid: str, version: int) -> Group:
@@ -161,11 +169,15 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_multiturn_partial_rollouts_on_ray(tmp_path, tiny_recipe_dict, three_turns, ray_cluster):
+@pytest.mark.parametrize("mode", ["lockstep", "continuous"])
+def test_multiturn_partial_rollouts_on_ray(
+    tmp_path, tiny_recipe_dict, three_turns, ray_cluster, mode
+):
     """The same episodes with the policy and one generator engine as Ray actors: the pool
-    aborts its engine at the release, the turn resumes on the published weights."""
+    aborts its engine at the release, the turn resumes on the published weights (in both
+    async modes)."""
     run_dir = tmp_path / "run"
-    recipe = _recipe(tiny_recipe_dict, run_dir)
+    recipe = _recipe(tiny_recipe_dict, run_dir, async_mode=mode)
     recipe["weight_transport"] = {"type": "disk_full"}
     recipe["runtime"] = {"type": "ray", "generator": {"count": 1}}
     Trainer(load_trainer_config(recipe)).run()

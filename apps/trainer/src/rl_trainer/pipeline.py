@@ -104,7 +104,7 @@ class RolloutPipeline:
         self.first_version = first_version
         self.versions_per_step = versions_per_step
         self.last_step = last_step
-        self._ready: dict[int, dict[str, Any]] = dict(ready or {})
+        self._ready: dict[int, dict[str, Any]] = {int(k): v for k, v in (ready or {}).items()}
         self._next = max([next_step - 1, *self._ready]) + 1
         self._paused = False
         self._released = released
@@ -228,8 +228,11 @@ class RolloutPipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """Metrics of produced rounds not trained yet (their groups are in the buffer); only
-        meaningful after :meth:`drain`."""
-        return {"ready": {int(k): dict(v) for k, v in self._ready.items()}}
+        meaningful after :meth:`drain`. Continuous mode numbers them as rounds, not steps."""
+        state: dict[str, Any] = {"ready": {int(k): dict(v) for k, v in self._ready.items()}}
+        if self.continuous:
+            state["continuous"] = True
+        return state
 
     async def close(self) -> None:
         """Stop the producer (a round in progress is cancelled)."""

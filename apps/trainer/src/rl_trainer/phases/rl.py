@@ -193,6 +193,14 @@ def _start_pipeline(trainer: Trainer) -> None:
     """Start generating rounds ahead of training (``rl.async_generation``); the policy
     trains in its own thread so the event loop keeps driving generation."""
     cfg = trainer.config
+    continuous = cfg.rl.async_mode == "continuous"
+    saved = bool(trainer.resume_state.get("pipeline", {}).get("continuous", False))
+    if trainer.ready_rounds and saved != continuous:
+        raise ConfigError(
+            f"rl.async_mode: the checkpoint holds rollout rounds produced ahead in "
+            f"{'continuous' if saved else 'lockstep'} mode; resume it with rl.async_mode="
+            f"{'continuous' if saved else 'lockstep'}."
+        )
     trainer.train_thread = concurrent.futures.ThreadPoolExecutor(
         max_workers=1,
         thread_name_prefix="rl-train",
@@ -207,7 +215,7 @@ def _start_pipeline(trainer: Trainer) -> None:
         await stages.serve(trainer, version, weights)
 
     trainer.pipeline = RolloutPipeline(
-        continuous=cfg.rl.async_mode == "continuous",
+        continuous=continuous,
         produce=produce,
         serve=serve,
         max_staleness=cfg.rl.max_staleness,
