@@ -57,6 +57,7 @@ __all__ = [
     "produce_round",
     "publish",
     "publish_only",
+    "resumable_generator",
     "rl_batch",
     "round_metrics",
     "serve",

@@ -143,7 +143,7 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
     else:
         round_metrics = await trainer.pipeline.next_round(step)
     continuous = trainer.pipeline is not None and trainer.pipeline.continuous
-    rounds = 1
+    rounds, dropped = 1, 0
     while True:
         groups, staleness = stages.take_groups(
             trainer.parts.buffer,
@@ -157,14 +157,11 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
             break
         # Continuous mode: too few fresh groups (stale ones were dropped); take the next round.
         assert trainer.pipeline is not None
-        dropped = staleness["rollout/stale_dropped_at_take"]
-        round_metrics = await trainer.pipeline.next_round(step)
-        round_metrics["rollout/stale_dropped_at_take"] = dropped
+        dropped += staleness["rollout/stale_dropped_at_take"]
+        round_metrics = await trainer.pipeline.next_round(step)  # the newer round's metrics
         rounds += 1
     if continuous:
-        staleness["rollout/stale_dropped_at_take"] += round_metrics.pop(
-            "rollout/stale_dropped_at_take", 0
-        )
+        staleness["rollout/stale_dropped_at_take"] += dropped
         staleness["rollout/rounds_taken"] = rounds
     wait = time.perf_counter() - t0
     samples.after_take(trainer, step, groups, round_metrics, staleness)  # dumps, traces
