@@ -246,14 +246,13 @@ def test_hf_generator_abort_and_resume(tmp_path):
     [
         ({"partial_rollouts": True}, {}, "async_generation"),
         ({"partial_rollouts": True, "async_generation": True, "max_staleness": 0}, {}, "max_stal"),
-        (
-            {"partial_rollouts": True, "async_generation": True},
-            {"generate_fn": {"type": "rl_agents.examples.calculator:CalculatorRollout"}},
-            "generate_fn",
-        ),
+        ({"async_mode": "continuous"}, {}, "rl.async_mode"),
+        ({"async_mode": "continuous", "async_generation": True, "max_staleness": 0}, {}, "mode"),
+        ({"async_mode": "eventually"}, {}, "async_mode"),
     ],
 )
 def test_partial_rollouts_config_errors(tmp_path, tiny_recipe_dict, rl, rollout, match):
+    """Refused: partial rollouts or continuous mode without generation running ahead."""
     recipe = tiny_recipe_dict(tmp_path)
     recipe["rl"].update(rl)
     recipe["rollout"].update(rollout)

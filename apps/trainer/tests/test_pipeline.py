@@ -137,3 +137,53 @@ def test_resumed_pipeline_continues_after_the_ready_rounds():
 
     log = asyncio.run(main())
     assert log[0] == ("produce", 5, 3)
+
+
+def test_continuous_rounds_use_the_newest_release_and_stay_s_rounds_ahead():
+    """``rl.async_mode: continuous`` with generation slower than training: each round starts
+    on the newest released version (fresher than lockstep's exact ``k - 1 - s``), and the
+    producer never holds more than ``s`` unconsumed rounds."""
+
+    async def main():
+        fake = _Fake()
+        slow = fake.produce
+
+        async def produce(step: int) -> dict:
+            await asyncio.sleep(0.03)  # a round takes longer than a training step
+            return await slow(step)
+
+        pipe = RolloutPipeline(
+            produce=produce,
+            serve=fake.serve,
+            max_staleness=2,
+            first_version=0,
+            last_step=6,
+            next_step=1,
+            released=0,
+            continuous=True,
+        )
+        pipe.start()
+        most_ready = 0
+        for step in range(1, 7):
+            assert await pipe.next_round(step) == {"step": step}  # rounds in order
+            await asyncio.sleep(0.005)  # training
+            most_ready = max(most_ready, len(pipe.state_dict()["ready"]))
+            await pipe.release(step, f"w{step}")
+        await pipe.drain(6)  # pauses after the round in progress
+        n = len([k for k, *_ in fake.log if k == "produce"])
+        await asyncio.sleep(0.08)
+        assert len([k for k, *_ in fake.log if k == "produce"]) == n  # paused until a release
+        await pipe.close()
+        return fake.log, most_ready
+
+    log, most_ready = asyncio.run(main())
+    produced = [(step, v) for kind, step, v in log if kind == "produce"]
+    versions = [v for _, v in produced[:6]]
+    lockstep = [max(0, k - 1 - 2) for k in range(1, 7)]
+    assert versions == sorted(versions)
+    assert all(v >= need for v, need in zip(versions, lockstep, strict=True))
+    assert sum(versions) > sum(lockstep)  # fresher: the newest release, not the oldest allowed
+    assert most_ready <= 2
+    # What was served is always the newest copy the trainer had released.
+    served = [v for kind, v, _ in log if kind == "serve"]
+    assert served == sorted(set(served))

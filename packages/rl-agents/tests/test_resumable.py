@@ -139,3 +139,94 @@ def test_generator_without_abort_is_refused(hf):
 
     with pytest.raises(ConfigError, match="cannot abort"):
         ResumableTurns(NoAbort(hf), Updates(NoAbort(hf)))
+
+
+def resumable_agent(task):
+    """An unmodified agent: a short first call, then a long one (cut by the test's release)."""
+    import openai
+
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    msgs = task.messages
+    r = client.chat.completions.create(model=task.model, messages=msgs, max_tokens=4)
+    msgs += [
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "go on"},
+    ]
+    client.chat.completions.create(model=task.model, messages=msgs)
+    return 1.0
+
+
+def test_agent_session_through_a_resumable_generator_keeps_per_token_versions(hf):
+    """An agent program behind the OpenAI server, on :class:`ResumableGenerator` (what the
+    trainer hands a ``generate_fn`` as ``ctx.generator`` with partial rollouts): the release
+    mid-call cuts only that call, which resumes on the new weights; the session's rollout
+    records the first call on version 0 and the cut call on 0 then 1."""
+    pytest.importorskip("openai")
+    pytest.importorskip("aiohttp")
+    from rl_agents import AgentRollout
+    from rl_agents.resumable import ResumableGenerator
+    from rl_core.interfaces import RolloutContext
+    from rl_core.types import Prompt
+
+    tok = build_tokenizer()
+    gen = Versioned(hf)
+    updates = Updates(gen)
+    wrapped = ResumableGenerator(gen, updates)
+    fn = AgentRollout(AgentRollout.Config(program=f"{__name__}:resumable_agent"))
+    msgs = [{"role": "user", "content": "Count."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    prompt = Prompt(uid="u", input=msgs, token_ids=tuple(ids))
+    ctx = RolloutContext(
+        generator=wrapped,
+        tokenizer=tok,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=200, seed=1, stop_token_ids=()),
+        n_samples=1,
+        policy_version=0,
+    )
+
+    async def main():
+        task = asyncio.ensure_future(fn(prompt, ctx))
+        while len(gen.requests) < 2:  # the long second call has started
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        updates.release()
+        try:
+            return await task
+        finally:
+            await fn.aclose()
+
+    (rollout,) = asyncio.run(main())
+    assert rollout.status != RolloutStatus.FAILED and rollout.metadata["session_turns"] == 2
+    assert wrapped.stats.releases == 1 and wrapped.stats.interruptions == 1
+    _, cut, resumed = gen.requests
+    assert resumed.input_ids[: len(cut.input_ids)] == cut.input_ids  # continued, not redone
+    model = [v for v, m in zip(rollout.versions, rollout.loss_mask, strict=True) if m]
+    n0 = model.count(0)
+    assert model == [0] * n0 + [1] * (len(model) - n0) and 4 < n0 < len(model)
+
+
+def test_resumed_result_merges_pieces_and_trajectory_keeps_their_versions():
+    from rl_agents.resumable import ResumedResult, token_versions
+    from rl_core.types import FinishReason
+
+    def piece(version, ids, reason):
+        return GenerationResult(
+            request_id="r",
+            output_ids=ids,
+            output_logprobs=(-0.1,) * len(ids),
+            finish_reason=reason,
+            weight_version=version,
+        )
+
+    one = piece(0, (5, 6), FinishReason.STOP)
+    assert ResumedResult.merge([one]) is one and token_versions(one) == (0, 0)
+    merged = ResumedResult.merge(
+        [piece(0, (5, 6), FinishReason.ABORT), piece(1, (7,), FinishReason.STOP)]
+    )
+    assert merged.output_ids == (5, 6, 7) and merged.finish_reason == FinishReason.STOP
+    assert merged.weight_version == 0  # the oldest: readers of one version over-state staleness
+    assert token_versions(merged) == (0, 0, 1)
+    traj = TrajectoryBuilder((1, 2))
+    traj.append_model(merged)
+    traj.append_tokens((9,))
+    assert traj.versions == (0, 0, 1, 1) and traj.turns[0].version == 1

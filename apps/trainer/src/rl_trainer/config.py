@@ -280,10 +280,21 @@ class RLConfig:
     """Token cap of one micro-batch."""
     async_generation: bool = False
     """Overlap generation and training: while the policy trains step k (in a trainer thread),
-    the generator produces the groups of the next steps with the weights it has, exactly
-    ``max_staleness`` versions behind. Weights reach the generator between generation rounds
-    only (no request is cut short), so runs stay reproducible and resume exactly. Off: generate,
-    then train, step by step."""
+    the generator produces the groups of the next steps. With ``async_mode: lockstep`` (the
+    default) it uses the weights exactly ``max_staleness`` versions behind, and weights reach
+    the generator between generation rounds only (no request is cut short), so runs stay
+    reproducible and resume exactly; ``async_mode: continuous`` keeps generating on the newest
+    weights instead. Off: generate, then train, step by step."""
+    async_mode: Literal["lockstep", "continuous"] = "lockstep"
+    """How ``async_generation`` schedules generation. ``lockstep``: the round of step k is
+    generated with exactly the version ``max_staleness`` RL steps behind the policy that trains
+    it (a pure function of the seed: reproducible, exact resume; 0 is the synchronous run).
+    ``continuous``: a producer keeps generating rounds back to back while the trainer trains,
+    each on the newest released weights (with ``partial_rollouts`` also mid-round), at most
+    ``max_staleness`` rounds ahead of the trainer; the bound is enforced per token when a step
+    takes its groups: a group holding a token older than ``max_staleness`` RL steps is dropped
+    (``rollout/stale_dropped_at_take``) and the step waits for fresher rounds. Fresher data, but not
+    bit-reproducible. Needs ``async_generation`` and ``max_staleness >= 1``."""
     max_staleness: NonNegInt = 1
     """How many policy versions older than the policy being trained a rollout token may be,
     counted in RL steps (``ppo_epochs * mini_batches_per_step`` versions each when a step
@@ -302,9 +313,12 @@ class RLConfig:
     tokens (with per-token versions) in the buffer, load the new weights and resume them, so
     rounds train on fresher tokens. A rollout's tokens may then span versions (all within
     ``max_staleness``); mask the older part with ``buffer.mask_offpolicy_tokens: true`` or
-    ``rl.mask_older_than``, or reweight it with ``algorithm.loss.correction: tis``. Needs the
-    default single-turn generation (no ``rollout.generate_fn``) and a generator that supports
-    abort. Where an abort lands depends on timing, so runs are not bit-reproducible."""
+    ``rl.mask_older_than``, or reweight it with ``algorithm.loss.correction: tis``. A custom
+    ``rollout.generate_fn`` (multi-turn, agents) gets a resumable ``ctx.generator``
+    (:class:`rl_agents.resumable.ResumableGenerator`): finished turns keep their tokens and
+    versions, the in-flight turn is aborted and resumed on the new weights, the episode goes on.
+    Needs a generator that supports abort. Where an abort lands depends on timing, so runs are
+    not bit-reproducible."""
     lora_sync: Literal["auto", "adapter", "merged"] = "auto"
     """What a LoRA policy (``policy.lora``) publishes to the generator: ``adapter`` only the
     adapter tensors (peft names, a few MB; the generator loads them as a named adapter on its
@@ -624,10 +638,13 @@ def load_trainer_config(
             "(weights change during a round only when generation runs ahead of training); "
             "set both or turn partial_rollouts off."
         )
-    if cfg.rl.partial_rollouts and cfg.rollout.generate_fn is not None:
+    if cfg.rl.async_mode == "continuous" and not (
+        cfg.rl.async_generation and cfg.rl.max_staleness >= 1
+    ):
         raise ConfigError(
-            "rl.partial_rollouts: resumes the default single-turn requests only; remove "
-            "rollout.generate_fn or turn partial_rollouts off."
+            "rl.async_mode: 'continuous' generates while the trainer trains, so it needs "
+            "rl.async_generation: true and rl.max_staleness >= 1; set both or use "
+            "rl.async_mode: lockstep."
         )
     if cfg.rollout.prompts_per_step % cfg.rl.mini_batches_per_step:
         raise ConfigError(

@@ -90,6 +90,9 @@ class Trainer:
         self.teacher: Any = None
         """The frozen distillation teacher (``teacher``; :mod:`rl_trainer.teacher`)."""
         self.critic: Any = None
+        self.resumable_generator: Any = None
+        """The generator a custom ``generate_fn`` gets with partial rollouts
+        (:func:`rl_trainer.stages.resumable_generator`), else ``None``."""
         self.transport: Any = None
         self.receiver: Any = None
         self.state: dict[str, Any] = {"sft_step": 0, "rl_step": 0, "eval_at_0": False}

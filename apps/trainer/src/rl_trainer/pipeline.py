@@ -25,6 +25,20 @@ resume exactly, and ``max_staleness = 0`` is the synchronous run):
   finishes every round that needs a version before ``k`` and then waits for ``k``. The generator
   is idle, the buffer holds whole rounds, nothing is in flight.
 
+Continuous mode (``rl.async_mode: continuous``) drops the exact schedule for fresher data: the
+producer generates rounds back to back while the trainer trains, each on the *newest* released
+version (:meth:`RolloutPipeline.catch_up` before each round), and stops only while
+``max_staleness`` produced rounds wait for the trainer (or while drained). Rounds are numbered
+on their own (a round may be dropped); :meth:`RolloutPipeline.next_round` hands out the oldest
+ready one. The staleness bound is then enforced per token when a step takes its groups
+(:func:`rl_trainer.stages.take_groups`): a group holding a token older than ``max_staleness``
+RL steps is dropped and the step waits for the next round (never trained on, never
+regenerated: its prompt is spent, as a filtered group's is). Timeline with ``max_staleness = 1``
+and generation slower than training::
+
+    producer:  G1(v0) G2(v0) | G3(v1)      G4(v2) ...   each round on the newest release
+    trainer:          T1(v0) |   T2(v1)  |   T3(v2)     waits only when no round is ready
+
 Partial rollouts (``rl.partial_rollouts``) trade that reproducibility for fresher data: a round
 still starts on (at least) the version it needs, but when the trainer releases a newer version
 while the round is generating, the round's in-flight requests are aborted, their partial tokens
@@ -33,7 +47,10 @@ wait in the buffer with their versions, the generator loads the newest released 
 (:func:`rl_trainer.rollout.generate_groups_resumable` waits on
 :meth:`RolloutPipeline.newer_than`). A rollout's tokens then span versions, none older than the
 round's needed version, so the ``max_staleness`` bound holds; where the abort lands depends on
-timing, so such runs are not bit-reproducible.
+timing, so such runs are not bit-reproducible. A custom ``rollout.generate_fn`` gets a
+resumable ``ctx.generator`` (:class:`rl_agents.resumable.ResumableGenerator` on this pipeline):
+only the in-flight turn of an episode is aborted and resumed, the episode itself (its finished
+turns, tool results, agent state) lives on in the rollout function.
 """
 
 from __future__ import annotations
@@ -77,15 +94,19 @@ class RolloutPipeline:
         next_step: int,
         released: int,
         ready: Mapping[int, dict[str, Any]] | None = None,
+        continuous: bool = False,
     ) -> None:
+        self.continuous = continuous
+        """``rl.async_mode: continuous``: rounds on the newest release, numbered on their own."""
         self.produce = produce
         self.serve = serve
         self.max_staleness = max_staleness
         self.first_version = first_version
         self.versions_per_step = versions_per_step
         self.last_step = last_step
-        self._ready: dict[int, dict[str, Any]] = dict(ready or {})
-        self._next = next_step + len(self._ready)
+        self._ready: dict[int, dict[str, Any]] = {int(k): v for k, v in (ready or {}).items()}
+        self._next = max([next_step - 1, *self._ready]) + 1
+        self._paused = False
         self._released = released
         self._weights: dict[int, Weights] = {}
         self._producing = False
@@ -105,11 +126,15 @@ class RolloutPipeline:
 
     async def _run(self) -> None:
         try:
-            while self._next <= self.last_step:
+            while self.continuous or self._next <= self.last_step:
                 step = self._next
-                need = self.needed_version(step)
                 async with self._cond:
-                    await self._cond.wait_for(lambda need=need: self._released >= need)
+                    if self.continuous:  # the newest release, at most max_staleness rounds ahead
+                        await self._cond.wait_for(self._may_produce)
+                        need = self._released
+                    else:
+                        need = self.needed_version(step)
+                        await self._cond.wait_for(lambda need=need: self._released >= need)
                     self._producing = True
                     weights = self._take_weights(need)
                 await self.serve(need, weights)
@@ -126,6 +151,10 @@ class RolloutPipeline:
                 self._cond.notify_all()
             if not isinstance(e, Exception):
                 raise
+
+    def _may_produce(self) -> bool:
+        """Continuous mode: not drained, and fewer than ``max_staleness`` rounds wait."""
+        return not self._paused and len(self._ready) < self.max_staleness
 
     def _take_weights(self, version: int) -> Weights | None:
         """The released copy of ``version`` (``None`` if none was kept); older copies are
@@ -144,8 +173,14 @@ class RolloutPipeline:
 
     # ----------------------------------------------------------------------------- trainer side
     async def next_round(self, step: int) -> dict[str, Any]:
-        """Wait for the round of ``step`` (its groups are in the buffer); returns its metrics."""
+        """Wait for the round of ``step`` (continuous mode: the oldest ready round; call again
+        when its groups were too stale) whose groups are in the buffer; returns its metrics."""
         async with self._cond:
+            if self.continuous:
+                await self._cond.wait_for(lambda: self._check() or bool(self._ready))
+                metrics = self._ready.pop(min(self._ready))
+                self._cond.notify_all()  # room for the producer
+                return metrics
             await self._cond.wait_for(lambda: self._check() or step in self._ready)
             return self._ready.pop(step)
 
@@ -156,6 +191,7 @@ class RolloutPipeline:
             if weights is not None:
                 self._weights[version] = weights
             self._released = version
+            self._paused = False
             self._cond.notify_all()
 
     # ----------------------------------------------------------------------------- partial rollouts
@@ -176,7 +212,13 @@ class RolloutPipeline:
     async def drain(self, version: int) -> None:
         """Wait until every round that needs a version below ``version`` is produced and the
         producer waits for ``version`` (call before ``release(version)``): the generator is idle
-        and the buffer holds whole rounds only."""
+        and the buffer holds whole rounds only. Continuous mode: the producer finishes its
+        round and pauses until the next :meth:`release`."""
+        if self.continuous:
+            async with self._cond:
+                self._paused = True
+                await self._cond.wait_for(lambda: self._check() or not self._producing)
+            return
         trained = (version - self.first_version) // self.versions_per_step
         last = min(self.last_step, trained + self.max_staleness)
         async with self._cond:
@@ -186,8 +228,11 @@ class RolloutPipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """Metrics of produced rounds not trained yet (their groups are in the buffer); only
-        meaningful after :meth:`drain`."""
-        return {"ready": {int(k): dict(v) for k, v in self._ready.items()}}
+        meaningful after :meth:`drain`. Continuous mode numbers them as rounds, not steps."""
+        state: dict[str, Any] = {"ready": {int(k): dict(v) for k, v in self._ready.items()}}
+        if self.continuous:
+            state["continuous"] = True
+        return state
 
     async def close(self) -> None:
         """Stop the producer (a round in progress is cancelled)."""

@@ -18,6 +18,7 @@ the RL phase (:mod:`rl_trainer.phases.rl`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rl_agents.resumable import ResumableGenerator
 from rl_buffer.balance import schedule_step
 from rl_core.algorithms import compute_loss_weights
 from rl_core.batching import gather_response, pack_rollouts, scatter_response
@@ -55,6 +57,7 @@ __all__ = [
     "produce_round",
     "publish",
     "publish_only",
+    "resumable_generator",
     "rl_batch",
     "round_metrics",
     "serve",
@@ -77,11 +80,15 @@ async def generate(
     seed_parts: tuple[Any, ...],
     stats: RolloutStats,
 ) -> list[Group]:
-    """Sample ``n_samples`` rollouts per prompt on the run's current generator;
-    ``generate_fn`` failures are counted in ``stats``."""
+    """Sample ``n_samples`` rollouts per prompt on the run's current generator (a custom
+    ``generate_fn`` of a round with partial rollouts gets it resumable:
+    :func:`resumable_generator`); ``generate_fn`` failures are counted in ``stats``."""
+    generator = run.generator
+    if run.parts.generate_fn is not None and _partial(run):
+        generator = resumable_generator(run)
     return await generate_groups(
         prompts,
-        generator=run.generator,
+        generator=generator,
         tokenizer=run.tokenizer,
         sampling=sampling,
         n_samples=n_samples,
@@ -92,6 +99,23 @@ async def generate(
         generate_fn_name=component_name("rollout.generate_fn", run.config.rollout.generate_fn),
         return_routing=run.config.rollout.routing_replay != "off",
     )
+
+
+def _partial(run: Trainer) -> bool:
+    """Whether rounds are interruptible by weight updates (``rl.partial_rollouts``, async)."""
+    return run.config.rl.partial_rollouts and run.pipeline is not None
+
+
+def resumable_generator(run: Trainer) -> ResumableGenerator:
+    """The run's generator behind :class:`~rl_agents.resumable.ResumableGenerator` on the
+    rollout pipeline (one per generator and pipeline, so an agent server built on
+    ``ctx.generator`` is kept across prompts): a custom ``generate_fn``'s in-flight turn is
+    aborted by a weight release and resumed on the new weights."""
+    wrapped = run.resumable_generator
+    if wrapped is None or wrapped.inner is not run.generator or wrapped.updates is not run.pipeline:
+        wrapped = ResumableGenerator(run.generator, run.pipeline)
+        run.resumable_generator = wrapped
+    return wrapped
 
 
 async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
@@ -116,12 +140,15 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
     gen_tokens, gen_time = 0, 0.0
     round_ = 0
     partial = PartialStats() if run.config.rl.partial_rollouts else None
+    turns_before = None
+    if partial is not None and parts.generate_fn is not None and run.pipeline is not None:
+        turns_before = dataclasses.replace(resumable_generator(run).stats)
     while not sampler.full:
         prompts = parts.train_data.next_prompts(sampler.request_size())
         t0 = time.perf_counter()
         seed_parts = (run.config.seed, "rl", step, round_)
         round_stats = RolloutStats()
-        if partial is not None and run.pipeline is not None:
+        if partial is not None and run.pipeline is not None and parts.generate_fn is None:
             groups = await generate_groups_resumable(
                 prompts,
                 generator=run.generator,
@@ -168,6 +195,11 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
     record = round_metrics(scored, stats, stale, gen_tokens, gen_time)
     record.update(sampler.last_step_metrics)
     record = _ordered(record, stats, stale, gen_tokens, gen_time)
+    if turns_before is not None and partial is not None:  # a generate_fn's resumed turns
+        now = resumable_generator(run).stats
+        partial.interruptions = now.releases - turns_before.releases
+        partial.resumed = now.interruptions - turns_before.interruptions
+        partial.resumed_tokens = now.resumed_tokens - turns_before.resumed_tokens
     if partial is not None:
         record["rollout/partial_interruptions"] = partial.interruptions
         record["rollout/partial_resumed"] = partial.resumed
@@ -222,13 +254,24 @@ def _ordered(
 
 # ----------------------------------------------------------------------------- take
 def take_groups(
-    buffer: Any, *, n: int, version: int, max_staleness: int, versions_per_step: int = 1
+    buffer: Any,
+    *,
+    n: int,
+    version: int,
+    max_staleness: int,
+    versions_per_step: int = 1,
+    wait_for_more: bool = False,
 ) -> tuple[list[Group], dict[str, float]]:
     """This step's ``n`` groups from the buffer (never older than ``max_staleness`` RL steps,
-    ``versions_per_step`` versions each, behind ``version``) and their staleness metrics (in
-    RL steps)."""
+    ``versions_per_step`` versions each, behind ``version``: the buffer drops a group holding
+    any older token, counted in ``rollout/stale_dropped_at_take``) and their staleness metrics
+    (in RL steps). Too few fresh groups raise, or with ``wait_for_more`` (continuous mode)
+    return ``([], {"rollout/stale_dropped_at_take": k})`` so the caller waits for a round."""
     held = len(buffer)
     groups = buffer.take(n, min_version=version - max_staleness * versions_per_step)
+    dropped = held - len(buffer) - (len(groups) if groups is not None else 0)
+    if groups is None and wait_for_more:
+        return [], {"rollout/stale_dropped_at_take": dropped}
     if groups is None:
         raise RLError(
             f"buffer: {held} groups held but fewer than {n} within rl.max_staleness="
@@ -240,6 +283,7 @@ def take_groups(
     lag = [version - r.min_version for g in groups for r in g.rollouts if r.versions]
     spans = [len(set(r.versions)) > 1 for g in groups for r in g.rollouts]
     return groups, {
+        "rollout/stale_dropped_at_take": dropped,
         "rollout/groups_kept": len(groups),
         "rollout/off_policy_frac": _mean([float(a > 0) for a in lag]),
         "rollout/multi_version_frac": _mean([float(x) for x in spans]),

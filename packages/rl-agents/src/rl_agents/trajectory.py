@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from rl_agents.resumable import token_versions
 from rl_core.config import PositiveInt
 from rl_core.errors import ConfigError, DataError
 from rl_core.interfaces import Tokenizer
@@ -97,7 +98,8 @@ class Turn:
     end: int
     """Index one past the turn's last token."""
     version: int
-    """Policy version recorded for the turn's tokens."""
+    """Policy version recorded for the turn's tokens (a resumed model turn: its last piece's;
+    the per-token versions are in :attr:`TrajectoryBuilder.versions`)."""
     finish_reason: FinishReason | None = None
     """The engine's finish reason (model turns only)."""
 
@@ -221,7 +223,9 @@ class TrajectoryBuilder:
     # ---------------------------------------------------------------------------------------
 
     def append_model(self, result: GenerationResult) -> None:
-        """Append the engine's sampled ids (mask 1), their log-probs and weight version.
+        """Append the engine's sampled ids (mask 1), their log-probs and weight version (per
+        piece for a turn resumed after a weight update, :class:`~rl_agents.resumable.ResumedResult`;
+        the turn's :attr:`Turn.version` is then its newest piece's).
 
         Raises :class:`DataError` (nothing appended) when the log-probs do not match the ids
         one to one, a log-prob is not a finite number <= 0, the turn is empty and
@@ -255,8 +259,10 @@ class TrajectoryBuilder:
                     "(pass the engine's log-probs, not probabilities or logits)."
                 )
         self._take_routing(result, where)
-        version = int(result.weight_version)
-        self._extend(ids, 1, logps, version)
+        # A turn resumed after a weight update (ResumedResult) keeps each piece's version.
+        versions = token_versions(result)
+        version = int(versions[-1]) if versions else int(result.weight_version)
+        self._extend(ids, 1, logps, version, versions=versions)
         self._version = version
         self._turns.append(
             Turn(
@@ -429,11 +435,19 @@ class TrajectoryBuilder:
 
     # ---------------------------------------------------------------------------------------
 
-    def _extend(self, ids: Sequence[int], mask: int, logps: Sequence[float], version: int) -> None:
+    def _extend(
+        self,
+        ids: Sequence[int],
+        mask: int,
+        logps: Sequence[float],
+        version: int,
+        *,
+        versions: Sequence[int] | None = None,
+    ) -> None:
         self._tokens.extend(int(t) for t in ids)
         self._mask.extend([mask] * len(ids))
         self._logprobs.extend(float(x) for x in logps)
-        self._versions.extend([version] * len(ids))
+        self._versions.extend([int(v) for v in versions] if versions else [version] * len(ids))
 
     def _check_aligned(self, turn: int) -> None:
         r = len(self._tokens) - self._prompt_len

@@ -5,7 +5,9 @@ RL start checkpoint (all at version 0), evaluate at step 0, then run the RL step
 Synchronous (default): the round of step k runs right before step k trains. With
 ``rl.async_generation`` the rounds run ahead in a producer task (:mod:`rl_trainer.pipeline`)
 while the policy trains in its own thread; the generator serves exactly the version
-``max_staleness`` behind, so ``max_staleness = 0`` is the synchronous run. Both modes share the
+``max_staleness`` behind, so ``max_staleness = 0`` is the synchronous run (``rl.async_mode:
+continuous``: each round on the newest weights, the bound enforced per token at the take).
+Both modes share the
 round, the take and the train stage; only who runs the round and when the generator receives
 weights differ.
 """
@@ -67,6 +69,8 @@ async def run(trainer: Trainer) -> bool:
             return True
         if trainer.pipeline is not None:
             await trainer.pipeline.release(trainer.policy.version, _weights_copy(trainer))
+    if trainer.pipeline is not None:  # continuous mode: the producer pauses after its round
+        await trainer.pipeline.drain(trainer.policy.version)
     trainer.handover.onload_models()  # the phase ends with the models on the device
     # The final model first: if writing it fails, the weights are already on disk
     # (HFPolicy.save writes a plain safetensors file before converting).
@@ -143,14 +147,28 @@ async def rl_step(trainer: Trainer) -> dict[str, Any]:
         round_metrics = await stages.produce_round(trainer, step)
     else:
         round_metrics = await trainer.pipeline.next_round(step)
+    continuous = trainer.pipeline is not None and trainer.pipeline.continuous
+    rounds, dropped = 1, 0
+    while True:
+        groups, staleness = stages.take_groups(
+            trainer.parts.buffer,
+            n=cfg.rollout.prompts_per_step,
+            version=trainer.policy.version,
+            max_staleness=cfg.rl.max_staleness,
+            versions_per_step=cfg.rl.updates_per_step,
+            wait_for_more=continuous,
+        )
+        if groups:
+            break
+        # Continuous mode: too few fresh groups (stale ones were dropped); take the next round.
+        assert trainer.pipeline is not None
+        dropped += staleness["rollout/stale_dropped_at_take"]
+        round_metrics = await trainer.pipeline.next_round(step)  # the newer round's metrics
+        rounds += 1
+    if continuous:
+        staleness["rollout/stale_dropped_at_take"] += dropped
+        staleness["rollout/rounds_taken"] = rounds
     wait = time.perf_counter() - t0
-    groups, staleness = stages.take_groups(
-        trainer.parts.buffer,
-        n=cfg.rollout.prompts_per_step,
-        version=trainer.policy.version,
-        max_staleness=cfg.rl.max_staleness,
-        versions_per_step=cfg.rl.updates_per_step,
-    )
     samples.after_take(trainer, step, groups, round_metrics, staleness)  # dumps, traces
     record: dict[str, Any] = {"step": step, "phase": "rl", **round_metrics, **staleness}
     if trainer.pipeline is None and trainer.handover.enabled:  # colocated hand-over
@@ -177,6 +195,14 @@ def _start_pipeline(trainer: Trainer) -> None:
     """Start generating rounds ahead of training (``rl.async_generation``); the policy
     trains in its own thread so the event loop keeps driving generation."""
     cfg = trainer.config
+    continuous = cfg.rl.async_mode == "continuous"
+    saved = bool(trainer.resume_state.get("pipeline", {}).get("continuous", False))
+    if trainer.ready_rounds and saved != continuous:
+        raise ConfigError(
+            f"rl.async_mode: the checkpoint holds rollout rounds produced ahead in "
+            f"{'continuous' if saved else 'lockstep'} mode; resume it with rl.async_mode="
+            f"{'continuous' if saved else 'lockstep'}."
+        )
     trainer.train_thread = concurrent.futures.ThreadPoolExecutor(
         max_workers=1,
         thread_name_prefix="rl-train",
@@ -191,6 +217,7 @@ def _start_pipeline(trainer: Trainer) -> None:
         await stages.serve(trainer, version, weights)
 
     trainer.pipeline = RolloutPipeline(
+        continuous=continuous,
         produce=produce,
         serve=serve,
         max_staleness=cfg.rl.max_staleness,
