@@ -45,7 +45,7 @@ RECIPE = {
         "sampling": {"temperature": 1.0, "max_new_tokens": 3},
     },
     "algorithm": {"advantage": "grpo"},
-    "rl": {"steps": 8},
+    "rl": {"steps": 6},
     "eval": {"every": 0},
     "checkpoint": {"every": 0},
     "logging": {"tensorboard": False, "progress": False},
@@ -94,7 +94,7 @@ def test_broadcast_survives_a_killed_engine_and_every_engine_ends_on_the_final_w
 
     def kill_engine_0() -> None:
         deadline = time.time() + 120
-        while time.time() < deadline and not _rl_step_reached(run, 3):
+        while time.time() < deadline and not _rl_step_reached(run, 2):
             time.sleep(0.01)
         engine = trainer.generator.engines[0]
         killed.append(engine)
@@ -108,11 +108,48 @@ def test_broadcast_survives_a_killed_engine_and_every_engine_ends_on_the_final_w
     assert seen["restarts"] == 1 and str(seen["events"][0]).startswith("engine 0 died")
     assert seen["generation"] == 2, "the group was not re-formed after the restart"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["phase"] == "rl" and r["step"]] == list(range(1, 9))
+    assert [r["step"] for r in rows if r["phase"] == "rl" and r["step"]] == list(range(1, 7))
     policy = seen["policy"]
     assert policy and len(seen["engines"]) == 2
     for i, engine in enumerate(seen["engines"]):
         diff = [n for n in policy if engine.get(n) != policy[n]]
+        assert not diff, f"engine {i} does not serve the trainer's final weights: {diff}"
+
+
+def test_an_engine_dead_during_a_broadcast_does_not_hang_the_other(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """Engine 0 dies just as the third update is sent: engine 1 has acknowledged it and waits
+    for a member that never comes. The restart re-forms the group, which releases engine 1
+    (its receiver is closed) instead of letting it wait out ``timeout_s``, and both end on the
+    final weights."""
+    run = tmp_path / "mid_update"
+    trainer = Trainer(load_trainer_config({**RECIPE, "run_dir": str(run)}, ["rl.steps=4"]))
+    seen: dict[str, object] = {"updates": 0, "waits": []}
+    update_weights, close = RayGeneratorPool.update_weights, RayGeneratorPool.close
+
+    async def update_killing_engine_0(pool: RayGeneratorPool, update, transport) -> None:
+        seen["updates"] += 1
+        if seen["updates"] == 3:
+            ray.kill(pool.engines[0], no_restart=True)
+        t0 = time.perf_counter()
+        await update_weights(pool, update, transport)
+        seen["waits"].append(time.perf_counter() - t0)
+
+    async def close_after_checking(pool: RayGeneratorPool) -> None:
+        seen["engines"] = [await e.weight_checksums.remote() for e in pool.engines]
+        seen["policy"] = {n: tensor_checksum(t) for n, t in trainer.policy.named_weights()}
+        seen["generation"], seen["restarts"] = pool.group.generation, pool.restarts
+        await close(pool)
+
+    monkeypatch.setattr(RayGeneratorPool, "update_weights", update_killing_engine_0)
+    monkeypatch.setattr(RayGeneratorPool, "close", close_after_checking)
+    trainer.run()
+    assert seen["restarts"] == 1 and seen["generation"] >= 2, seen
+    timeout_s = RECIPE["weight_transport"]["timeout_s"]
+    assert max(seen["waits"]) < timeout_s, f"an update waited out the timeout: {seen['waits']}"
+    for i, engine in enumerate(seen["engines"]):
+        diff = [n for n in seen["policy"] if engine.get(n) != seen["policy"][n]]
         assert not diff, f"engine {i} does not serve the trainer's final weights: {diff}"
 
 
