@@ -427,7 +427,6 @@ def test_on_policy_distillation_teacher_scores_in_the_policy_ranks(ray_cluster, 
     ("overrides", "message"),
     [
         (["weight_transport.type=inprocess"], "weight_transport.type: 'inprocess'"),
-        (["weight_transport.type=broadcast"], "weight_transport.type: 'broadcast'"),
         (["runtime.policy.count=2"], "runtime.policy.count: 2 ranks"),
         (
             ["runtime.policy.count=3", "policy.type=megatron", "policy.tp_size=2"],

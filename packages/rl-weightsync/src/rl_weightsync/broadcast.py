@@ -4,7 +4,10 @@ The sender (rank 0) and the receivers (ranks 1..N) form a dedicated process grou
 on a ``TCPStore`` (hosted by rank 0), so it never touches either side's default group: gloo on
 CPU, NCCL when ``device`` is CUDA. The store is also the control plane: the sender posts each
 version's header (names, dtypes, shapes, bucket layout), every receiver acknowledges it (or
-refuses it), and only when all accepted does the sender broadcast the buckets::
+refuses it), and only when all accepted does the sender broadcast the buckets. The collective
+group itself forms at the first accepted version, once every member has acknowledged it, so a
+missing member is caught by the handshake (``timeout_s``; a closed receiver stops waiting at
+once) rather than inside the collective's initialisation::
 
     # trainer, rank 0 of the weight-sync group
     sender = BroadcastTransport(BroadcastTransport.Config(port=29600, world_size=2, rank=0))
@@ -18,6 +21,18 @@ thread performs the handshake and the broadcast. A newer ``publish`` supersedes 
 receivers have not joined yet (full weights: receivers may skip versions). Receivers refuse a
 replayed or older version locally, and a version the sender never posted, before joining any
 collective.
+
+A group is one fixed world. When a member must be replaced (a restarted rollout engine), the
+owner forms a new group (a fresh ``group_name`` and port) and hands the old sender to the new
+one with :meth:`BroadcastTransport.take_over`: the newest published version is posted again on
+the new group, pinned (a later ``publish`` does not supersede it), so the new member can be
+re-synced while the others join and discard it::
+
+    new_sender = BroadcastTransport(new_config)         # rank 0 of the re-formed world
+    update = new_sender.take_over(old_sender)            # closes the old one; None if nothing sent
+
+``serve_dtype`` casts floating tensors before staging (``"bfloat16"`` halves the bytes of an fp32
+trainer's weights); the header carries the dtypes, so receivers need not be told.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ import torch.distributed as dist
 from rl_core.config import NonNegInt, Port, PositiveFloat, PositiveInt, Range
 from rl_core.errors import WeightSyncError
 from rl_core.interfaces import WeightTransport
+from rl_core.lora import ADAPTER_KEY
 from rl_core.types import WeightUpdate
 from rl_weightsync.adapter import MixedUpdateError, check_update_kind, publish_extra
 from rl_weightsync.bucketing import iter_buckets, tensor_nbytes
@@ -77,8 +93,12 @@ class BroadcastTransport(WeightTransport):
         """Device of the broadcast buffers; ``cuda`` selects NCCL, ``cpu`` gloo."""
         bucket_bytes: PositiveInt = 256 << 20
         """Bytes per broadcast bucket (a larger tensor travels alone)."""
+        serve_dtype: str | None = None
+        """Cast floating tensors to this dtype (``"bfloat16"``) before sending; ``None`` keeps
+        them (sender side only)."""
         timeout_s: PositiveFloat = 300.0
-        """Connection, handshake and collective timeout in seconds."""
+        """Connection, handshake and collective timeout in seconds (forming the group waits
+        this long for every rank, a receiver this long for the sender's go)."""
 
     def __init__(self, config: Config) -> None:
         """Build from ``config``; the group connects on first use (or :meth:`connect`)."""
@@ -92,10 +112,16 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError(
                 f"BroadcastTransport.Config.bucket_bytes: expected >= 1, got {c.bucket_bytes}"
             )
+        if c.serve_dtype is not None:
+            try:
+                dtype_from_name(c.serve_dtype)
+            except WeightSyncError as exc:
+                raise WeightSyncError(f"BroadcastTransport.Config.serve_dtype: {exc}") from None
         self.config = c
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
         self._connect_lock = threading.Lock()
+        self._pg_lock = threading.Lock()
         # sender state
         self._last_published: int | None = None
         self._pending: dict[int, tuple[dict, list[torch.Tensor], tuple]] = {}
@@ -104,6 +130,9 @@ class BroadcastTransport(WeightTransport):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: dict[tuple, list[torch.Tensor]] = {}
+        self._last: tuple[int, dict, list[torch.Tensor], tuple] | None = None
+        self._pinned: set[int] = set()
+        self._closed = False
         # receiver state
         self._recv_buffers: dict[int, torch.Tensor] = {}
 
@@ -112,7 +141,7 @@ class BroadcastTransport(WeightTransport):
     def connect(self) -> None:
         """Open the store and build the process group (blocks until every rank joins)."""
         self._connect_store()
-        with self._connect_lock:
+        with self._pg_lock:  # not the store's lock: a publish must not wait for the group
             if self._pg is not None:
                 return
             c = self.config
@@ -184,7 +213,11 @@ class BroadcastTransport(WeightTransport):
                 f"publish of weight version {version} refused: version {self._last_published} was "
                 f"already published and versions must increase. Publish a version above {self._last_published}"
             )
-        items = [(n, t.detach()) for n, t in named_tensors]
+        cast = dtype_from_name(c.serve_dtype) if c.serve_dtype is not None else None
+        items = [
+            (n, t.detach().to(cast) if cast is not None and t.is_floating_point() else t.detach())
+            for n, t in named_tensors
+        ]
         names = [n for n, _ in items]
         if len(set(names)) != len(names):
             raise WeightSyncError(
@@ -213,15 +246,25 @@ class BroadcastTransport(WeightTransport):
                 if n:
                     buf[row[3] : row[3] + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
         header = {"version": version, "buckets": layout, **extra}
+        self._post(version, header, bufs, key, pinned=False)
+        return self._update(version, header, metadata)
+
+    def _post(
+        self, version: int, header: dict, bufs: list[torch.Tensor], key: tuple, *, pinned: bool
+    ) -> None:
+        """Post ``version``'s header and hand its buffers to the broadcast thread."""
         self._connect_store()
         assert self._store is not None
         self._store.set(f"header/{version}", json.dumps(header))
         with self._cv:
-            for old in [v for v in self._pending if v < version]:
+            for old in [v for v in self._pending if v < version and v not in self._pinned]:
                 _, obufs, okey = self._pending.pop(old)
                 self._store.set(f"go/{old}", f"superseded by version {version}")
                 self._staging.setdefault(okey, obufs)
             self._pending[version] = (header, bufs, key)
+            if pinned:
+                self._pinned.add(version)
+            self._last = (version, header, bufs, key)
             self._last_published = version
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -229,7 +272,12 @@ class BroadcastTransport(WeightTransport):
                 )
                 self._thread.start()
             self._cv.notify_all()
-        total = sum(b["bytes"] for b in layout)
+
+    def _update(
+        self, version: int, header: dict, metadata: Mapping[str, Any] | None = None
+    ) -> WeightUpdate:
+        c = self.config
+        layout = header["buckets"]
         return WeightUpdate(
             version=version,
             base_version=None,
@@ -237,12 +285,38 @@ class BroadcastTransport(WeightTransport):
             location=f"tcp://{c.host}:{c.port}/{c.group_name}",
             metadata={
                 **(metadata or {}),
-                "payload": extra["payload"],
-                "num_tensors": len(items),
-                "bytes": total,
+                "payload": header["payload"],
+                "num_tensors": sum(len(b["tensors"]) for b in layout),
+                "bytes": sum(b["bytes"] for b in layout),
                 "buckets": len(layout),
             },
         )
+
+    def take_over(self, previous: BroadcastTransport) -> WeightUpdate | None:
+        """Replace ``previous`` (the sender of an earlier group): close it and post its newest
+        published version again on this group, pinned so a later :meth:`publish` cannot
+        supersede it. Returns that version's update for every member of this group to receive
+        (members already on it receive and discard it), or ``None`` when ``previous`` never
+        published."""
+        if self.config.rank != 0 or previous.config.rank != 0:
+            raise WeightSyncError(
+                "BroadcastTransport.take_over: both transports must be senders (rank 0)"
+            )
+        if self._last_published is not None:
+            raise WeightSyncError(
+                "BroadcastTransport.take_over: this sender already published; take over a "
+                "previous sender before the first publish"
+            )
+        previous.close()
+        last = previous._last
+        if last is None:
+            return None
+        version, header, bufs, key = last
+        if bufs and bufs[0].device != torch.device(self.config.device):
+            bufs = [b.to(self.config.device) for b in bufs]
+        self._post(version, header, bufs, key, pinned=True)
+        marker = {ADAPTER_KEY: header[ADAPTER_KEY]} if ADAPTER_KEY in header else None
+        return self._update(version, header, marker)
 
     def _raise_background_error(self, version: int) -> None:
         if self._error is not None:
@@ -253,7 +327,7 @@ class BroadcastTransport(WeightTransport):
 
     def _run(self) -> None:
         try:
-            self.connect()
+            self._connect_store()
             c = self.config
             # Own client connection: a blocking store call on the caller's thread must not stall
             # the handshake.
@@ -271,7 +345,9 @@ class BroadcastTransport(WeightTransport):
                     self._cv.wait(0.1)
                 if self._stop:
                     return
-                version = max(self._pending)
+                # A pinned (re-sync) version goes first; else the newest supersedes the rest.
+                pinned = self._pinned & self._pending.keys()
+                version = min(pinned) if pinned else max(self._pending)
                 _header, bufs, key = self._pending[version]
             # Handshake: wait until every receiver acknowledged or a newer version arrives.
             ack_keys = [f"ack/{version}/{r}" for r in receivers]
@@ -289,10 +365,12 @@ class BroadcastTransport(WeightTransport):
             with self._cv:  # publish() may supersede this version up to here, not after
                 if superseded or self._pending.pop(version, None) is None:
                     continue
+                self._pinned.discard(version)
                 go = f"refused by a receiver: {refused[0]}" if refused else "go"
                 store.set(f"go/{version}", go)
             if not refused:
                 try:
+                    self.connect()  # first version: every member acknowledged, so all join now
                     for buf in bufs:
                         if buf.numel():
                             self._broadcast(buf)
@@ -348,18 +426,26 @@ class BroadcastTransport(WeightTransport):
         except MixedUpdateError as exc:
             store.set(f"ack/{version}/{c.rank}", f"refused: {exc}")
             raise
-        self.connect()  # the sender's broadcast thread joins the group once it has a version
         store.set(f"ack/{version}/{c.rank}", "ok")
-        try:
-            store.wait([f"go/{version}"], timedelta(seconds=c.timeout_s))
-        except Exception as exc:
-            raise WeightSyncError(
-                f"weight version {version}: the sender did not start the broadcast within "
-                f"{c.timeout_s} s ({exc}); check that the trainer is alive"
-            ) from exc
+        deadline = time.monotonic() + c.timeout_s
+        while not store.check([f"go/{version}"]):
+            if self._closed:
+                raise WeightSyncError(
+                    f"weight version {version}: this receiver was closed while it waited for the "
+                    "sender (its group was re-formed); apply the update of the new group"
+                )
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"weight version {version}: the sender did not start the broadcast within "
+                    f"{c.timeout_s} s (a member of the group never acknowledged it); check that "
+                    "the trainer and every receiver are alive"
+                )
+            time.sleep(0.002)
         go = store.get(f"go/{version}").decode()
         if go != "go":
             raise WeightSyncError(f"weight version {version}: {go}; apply the newest update")
+        # The group forms on the first go: every member has acknowledged, so none is missing.
+        self.connect()
         out: list[tuple[str, torch.Tensor]] = []
         for i, b in enumerate(header["buckets"]):
             buf = self._recv_buffers.get(i)
@@ -386,6 +472,7 @@ class BroadcastTransport(WeightTransport):
 
     def close(self) -> None:
         """Stop the broadcast thread (after its current collective) and drop the group."""
+        self._closed = True
         with self._cv:
             self._stop = True
             self._cv.notify_all()

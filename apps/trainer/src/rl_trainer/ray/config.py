@@ -36,7 +36,7 @@ def check_ray_config(config: Any, transport_spec: ComponentSpec) -> None:
     transport's spec with its run defaults.
     """
     _check_layout(config.runtime, transport_spec)
-    _check_transport(transport_spec)
+    _check_transport(config.runtime, transport_spec)
     _check_model_ranks(config)
 
 
@@ -76,7 +76,7 @@ def _check_layout(rc: Any, transport_spec: ComponentSpec) -> None:
         )
 
 
-def _check_transport(transport_spec: ComponentSpec) -> None:
+def _check_transport(rc: Any, transport_spec: ComponentSpec) -> None:
     """Refuse weight transports that cannot cross the runtime's processes."""
     cls = registry.resolve(
         registry.GROUPS["weight_transport"], transport_spec.type, field="weight_transport.type"
@@ -88,11 +88,17 @@ def _check_transport(transport_spec: ComponentSpec) -> None:
             "weight_transport: {type: disk_full} or {type: disk_delta} (run_dir on a filesystem "
             "every node sees)."
         )
-    if cls.__module__ == "rl_weightsync.broadcast":
+    device = str(transport_spec.options.get("device", "cpu"))
+    if (
+        cls.__module__ == "rl_weightsync.broadcast"
+        and rc.layout == "colocated"
+        and device.startswith("cuda")
+    ):
         raise ConfigError(
-            "weight_transport.type: 'broadcast' is not supported on the ray runtime yet (its "
-            "collective world would have to be re-formed when a generator restarts). Use "
-            "weight_transport: {type: disk_full} or {type: disk_delta}."
+            "weight_transport.device: 'broadcast' on cuda (NCCL) cannot join a policy rank and "
+            "the generator that shares its GPU (runtime.layout=colocated): NCCL refuses two "
+            "ranks on one device. Use runtime.layout=disaggregated, or weight_transport: "
+            "{type: disk_full} or {type: disk_delta} for the colocated layout."
         )
 
 

@@ -20,6 +20,7 @@ from rl_core.types import (
     GenerationResult,
     WeightUpdate,
 )
+from rl_trainer.ray.collective import CollectiveGroup
 from rl_trainer.ray.config import setup_process, spec_with
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class GeneratorEngine:
         registry.resolve(registry.GROUPS["generator"], generator_type, field="generator.type")
         self.generator: Any = None
         self.receiver: WeightTransport | None = None
+        self.collective = False
+        """The receiver is a member of a collective group (``broadcast``)."""
 
     async def build(self, spec: ComponentSpec) -> tuple[int, bool, bool, bool]:
         """Build the generator; returns the served version and whether the backend can release
@@ -58,11 +61,40 @@ class GeneratorEngine:
             routing,
         )
 
-    async def set_receiver(self, spec: ComponentSpec) -> None:
-        """Build the receiver side of the weight transport."""
+    async def set_receiver(self, spec: ComponentSpec, collective: bool = False) -> None:
+        """Build the receiver side of the weight transport (``collective``: this engine's rank
+        in a new generation of the broadcast group; closing the old receiver ends a transfer
+        that still waits on the old group)."""
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = registry.build("weight_transport", spec, field="weight_transport")
+        self.collective = collective
+
+    async def resync(self, update: WeightUpdate) -> int:
+        """Join the re-sync broadcast of ``update`` on a re-formed collective group: apply it
+        when behind, else receive it and discard it (every member of the group must join the
+        broadcast). Returns the served version."""
+        if self.receiver is None:
+            raise RLError("generator engine has no weight transport; set_receiver was not called.")
+        if self.generator.weight_version < update.version:
+            await self.generator.update_weights(update, self.receiver)
+        else:
+            receiver = self.receiver  # already serving it: take part, keep the weights
+            await asyncio.to_thread(
+                lambda: list(receiver.receive(update, current_version=update.version - 1))
+            )
+        return self.generator.weight_version
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """Checksums of the served weights by name, for backends that hold a torch ``model``
+        (empty otherwise): lets a test or an operator check that every engine serves the
+        trainer's weights."""
+        from rl_weightsync.checksum import tensor_checksum
+
+        model = getattr(self.generator, "model", None)
+        if model is None or not hasattr(model, "state_dict"):
+            return {}
+        return {n: tensor_checksum(t) for n, t in model.state_dict().items()}
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """``Generator.generate``."""
@@ -72,6 +104,8 @@ class GeneratorEngine:
         """Apply ``update`` with this engine's receiver; returns the served version."""
         if self.receiver is None:
             raise RLError("generator engine has no weight transport; set_receiver was not called.")
+        if self.collective and self.generator.weight_version >= update.version:
+            return self.generator.weight_version  # a re-formed group's re-sync delivered it
         await self.generator.update_weights(update, self.receiver)
         return self.generator.weight_version
 
@@ -141,6 +175,9 @@ class RayGeneratorPool(Generator):
         """What happened to each failed engine, oldest first."""
         self._restarting: dict[int, asyncio.Task[None]] = {}
         self._lock: asyncio.Lock | None = None
+        self.group: CollectiveGroup | None = None
+        """The broadcast group of the engines and policy rank 0 (collective transport only);
+        re-formed after every restart."""
 
     @property
     def weight_version(self) -> int:
@@ -213,7 +250,13 @@ class RayGeneratorPool(Generator):
                 spec = spec_with("generator", spec, model_path=path, initial_version=version)
             engine = self.runtime._start_engine(slot)
             served = (await await_ref(engine.build.remote(spec)))[0]
-            if self.receiver_spec is not None:
+            if self.group is not None:  # a new world with the new engine, re-synced
+                self.engines[slot] = engine
+                served = (await self._reform(include=slot)).get(slot, served)
+                # The re-sync delivers the newest published version, which may be newer than
+                # the target when a publish overtook this restart (its update then is a no-op).
+                target = max(target, served)
+            elif self.receiver_spec is not None:
                 await await_ref(engine.set_receiver.remote(self.receiver_spec))
             if served != target and self.last_update is not None:
                 served = await await_ref(engine.update_weights.remote(self.last_update))
@@ -233,17 +276,61 @@ class RayGeneratorPool(Generator):
         await self._whole()
         await self.runtime.colocation.before_generate()
         self.last_update = update
-        refs = [e.update_weights.remote(update) for e in self.engines]
-        versions = []
-        for slot, (engine, ref) in enumerate(zip(list(self.engines), refs, strict=True)):
+
+        async def one(slot: int, engine: Any) -> tuple[int, Any, Any, BaseException | None]:
             try:
-                versions.append(await await_ref(ref))
-            except ray.exceptions.RayActorError:
+                return slot, engine, await await_ref(engine.update_weights.remote(update)), None
+            except Exception as e:
+                return slot, engine, None, e
+
+        versions: dict[int, int] = {}
+        resync = False
+        # As each engine finishes: a dead one is restarted at once (with a collective transport
+        # its restart re-forms the group, which releases the members still waiting on it).
+        for done in asyncio.as_completed([one(i, e) for i, e in enumerate(list(self.engines))]):
+            slot, engine, served, err = await done
+            if isinstance(err, ray.exceptions.RayActorError):
                 self._fail(slot, engine, "died applying a weight update")
-                versions.append(update.version)  # its restart syncs to the new version
+                served = update.version  # its restart syncs to the new version
+            elif err is not None:
+                if self.group is None:
+                    raise err
+                resync = True  # a member failed the transfer: re-form and re-sync below
+            versions[slot] = served
         await self._whole()  # engines that died restart on this update
-        if all(v == update.version for v in versions):
+        if resync:
+            versions = await self._reform()
+        if all(v == update.version for v in versions.values()):
             self._version = update.version  # else the loop reports the mismatch
+
+    async def _reform(self, include: int | None = None, attempts: int = 3) -> dict[int, int]:
+        """Form a new generation of the collective group over the engines that are not
+        restarting (and ``include``) and re-sync them; returns each member's served version.
+        A member that died is restarted (which re-forms again); a failed transfer is retried."""
+        import ray
+
+        assert self.group is not None
+        for attempt in range(attempts):
+            slots = [
+                i for i in range(len(self.engines)) if i == include or i not in self._restarting
+            ]
+            engines = [self.engines[i] for i in slots]
+            results = await self.group.form(engines)
+            served, failed = {}, []
+            for slot, engine, r in zip(slots, engines, results, strict=True):
+                if isinstance(r, ray.exceptions.RayActorError) and slot != include:
+                    self._fail(slot, engine, "died in a weight re-sync")
+                elif isinstance(r, BaseException):
+                    failed.append(f"engine {slot}: {r}")
+                elif r is not None:
+                    served[slot] = r
+            if not failed:
+                return served
+            logger.warning("ray runtime: weight re-sync attempt %d failed: %s", attempt + 1, failed)
+        raise GenerationError(
+            f"ray runtime: the broadcast group could not re-sync the engines after {attempts} "
+            f"attempts ({failed}); check the engine logs and weight_transport.timeout_s."
+        )
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> None:
         """Abort every in-flight request on every live engine (they return their partial
@@ -257,8 +344,12 @@ class RayGeneratorPool(Generator):
         await asyncio.gather(*(await_ref(e.abort.remote()) for e in live), return_exceptions=True)
 
     async def set_receiver(self, spec: ComponentSpec) -> None:
-        """Build the receiver side of the weight transport on every engine."""
+        """Build the receiver side of the weight transport on every engine (with a collective
+        transport: form the first generation of the group)."""
         self.receiver_spec = spec
+        if self.group is not None:
+            await self._reform()
+            return
         await asyncio.gather(*(await_ref(e.set_receiver.remote(spec)) for e in self.engines))
 
     async def health(self) -> bool:

@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import os
 import socket
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ class PolicyRank:
         self.world_size = world_size
         self.models: dict[str, Any] = {}
         self.sender: WeightTransport | None = None
+        self._sender_lock = threading.Lock()  # a publish and a group re-formation never overlap
         self.copies: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._model_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1,
@@ -183,11 +185,31 @@ class PolicyRank:
 
     def build_sender(self, spec: ComponentSpec | None) -> None:
         """Build (rank 0) or drop the sender side of the weight transport."""
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-        if spec is not None and self.rank == 0:
-            self.sender = registry.build("weight_transport", spec, field="weight_transport")
+        with self._sender_lock:
+            if self.sender is not None:
+                self.sender.close()
+                self.sender = None
+            if spec is not None and self.rank == 0:
+                self.sender = registry.build("weight_transport", spec, field="weight_transport")
+
+    def reform_sender(self, spec: ComponentSpec) -> WeightUpdate | None:
+        """Rank 0 of a new generation of the collective (``broadcast``) group: build its sender,
+        which takes over the previous one and posts its newest published version again for the
+        members to re-sync (:meth:`BroadcastTransport.take_over`); returns that update, or
+        ``None`` when nothing was published yet."""
+        with self._sender_lock:
+            new = registry.build("weight_transport", spec, field="weight_transport")
+            old, self.sender = self.sender, new
+            if old is None:
+                return None
+            take_over = getattr(new, "take_over", None)
+            if take_over is None:
+                old.close()
+                raise RLError(
+                    f"weight_transport.type: {spec.type!r} cannot re-form a collective group; "
+                    "use weight_transport: {type: broadcast}."
+                )
+            return take_over(old)
 
     def keep_copy(self) -> int:
         """Keep a CPU copy of the policy's current weights (for a later :meth:`publish`)."""
@@ -204,7 +226,12 @@ class PolicyRank:
 
     def publish(self, version: int, from_copy: bool) -> WeightUpdate | None:
         """Publish ``version`` through the sender (rank 0 returns the update): the live weights,
-        or the copy kept by :meth:`keep_copy` (runs concurrently with a ``train_step``)."""
+        or the copy kept by :meth:`keep_copy` (runs concurrently with a ``train_step``).
+
+        Every rank iterates the live ``named_weights`` (a model-parallel policy such as Megatron
+        TP/PP gathers each weight in that collective), and only rank 0 hands them to the
+        transport: each weight is gathered once and sent once, from rank 0 (with ``broadcast``,
+        one broadcast per bucket to every engine)."""
         if from_copy:
             if self.rank != 0:
                 return None
@@ -225,9 +252,10 @@ class PolicyRank:
         return self._on_model_thread(run)
 
     def _send(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
-        if self.sender is None:
-            raise RLError("policy rank 0 has no weight transport; build_sender was not called.")
-        return self.sender.publish(version, weights)
+        with self._sender_lock:
+            if self.sender is None:
+                raise RLError("policy rank 0 has no weight transport; build_sender was not called.")
+            return self.sender.publish(version, weights)
 
     def close(self) -> None:
         """Close the sender and drop the models."""

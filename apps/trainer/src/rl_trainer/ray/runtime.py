@@ -18,6 +18,7 @@ from rl_core.interfaces import Generator, WeightTransport
 from rl_core.types import (
     WeightUpdate,
 )
+from rl_trainer.ray.collective import CollectiveGroup, is_collective
 from rl_trainer.ray.colocation import Colocation
 from rl_trainer.ray.generator import GeneratorEngine, RayGeneratorPool
 from rl_trainer.ray.policy import PolicyRank, RayCritic, RayPolicy, RemoteWeights
@@ -219,7 +220,11 @@ class RayRuntime:
             path = spec.options.get(key)
             if path and Path(path).resolve().is_relative_to(self.run_dir):
                 shutil.rmtree(path, ignore_errors=True)
-        ray.get([r.build_sender.remote(spec) for r in self.ranks])
+        if self.pool is not None and is_collective(spec):
+            # Policy rank 0 and the engines form the broadcast group (address from Ray).
+            self.pool.group = CollectiveGroup(self.ranks[0], spec, self.tag)
+        else:
+            ray.get([r.build_sender.remote(spec) for r in self.ranks])
         if self.pool is not None:
             await self.pool.set_receiver(spec)
         if self.driver_generator is not None:
