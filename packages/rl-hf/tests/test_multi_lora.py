@@ -168,3 +168,17 @@ def test_generator_serves_each_request_with_its_adapter(base_dir: Path) -> None:
     with pytest.raises(GenerationError, match="nope"):
         asyncio.run(gen.generate(_requests(["nope"])))
     asyncio.run(gen.close())
+
+
+def test_generator_refuses_an_incomplete_multi_adapter_update_unchanged(base_dir: Path) -> None:
+    from rl_core.errors import WeightSyncError
+
+    policy = _policy(base_dir)
+    gen = HFGenerator(HFGenerator.Config(model_path=str(base_dir)))
+    info = AdapterInfo("solver", peft_adapter_config(MULTI.single("solver")), names=MULTI.adapters)
+    weights = list(policy.named_adapter_weights())
+    broken = [(n, t) for n, t in weights if not (n.startswith("critic/") and ".lora_B." in n)]
+    with pytest.raises(WeightSyncError, match="critic"):
+        gen.load_adapter(info, broken, version=1)
+    assert gen.weight_version == 0 and gen.active_adapter is None
+    asyncio.run(gen.close())

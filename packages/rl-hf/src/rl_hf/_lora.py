@@ -337,8 +337,7 @@ class GeneratorAdapters:
             return
         parts = split_adapters(tensors.items(), info.names)
         for name, part in parts.items():
-            if self.peft is not None or name == info.names[0]:
-                self.check(dataclasses.replace(lora, name=name), part)
+            self.check(dataclasses.replace(lora, name=name), part)
         for name, part in parts.items():
             self.load(dataclasses.replace(lora, name=name), part)
         self.activate(info.name)
