@@ -166,3 +166,54 @@ def test_inconsistent_multi_lora_settings_are_refused(tiny_recipe_dict, tmp_path
     bad = _data(tmp_path / "bad.jsonl", ["solver", "planner"])
     with pytest.raises(ConfigError, match="planner"):
         Trainer(load_trainer_config(_recipe(tiny_recipe_dict, tmp_path / "d", bad))).run()
+
+
+def test_a_tagged_prompt_names_its_adapter_on_default_and_custom_requests() -> None:
+    """Both sampling paths put the prompt's adapter on the request: the default one and a
+    ``generate_fn`` using ``ctx.generate``."""
+    import asyncio
+
+    from rl_core.lora import SEQUENCE_ADAPTER_KEY
+    from rl_core.types import FinishReason, GenerationResult, Prompt, SamplingParams
+    from rl_trainer.rollout import generate_groups, rollout_from_result
+
+    class Recorder:
+        seen: list = []
+
+        async def generate(self, requests):
+            self.seen += [q.adapter for q in requests]
+            return [
+                GenerationResult(
+                    request_id=q.request_id,
+                    output_ids=(1,),
+                    output_logprobs=(0.0,),
+                    finish_reason=FinishReason.STOP,
+                    weight_version=0,
+                )
+                for q in requests
+            ]
+
+    async def custom(prompt, ctx):
+        res = await ctx.generate(prompt.token_ids, request_id=f"{prompt.uid}/0")
+        return [rollout_from_result(prompt, res, res.request_id)]
+
+    prompts = [
+        Prompt(uid=f"p{i}", input="x", token_ids=(3, 4), metadata={SEQUENCE_ADAPTER_KEY: a})
+        for i, a in enumerate(["critic", "solver"])
+    ]
+    for fn in (None, custom):
+        gen = Recorder()
+        gen.seen = []
+        asyncio.run(
+            generate_groups(
+                prompts,
+                generator=gen,
+                tokenizer=None,
+                sampling=SamplingParams(max_new_tokens=1),
+                n_samples=1,
+                seed_parts=(0,),
+                policy_version=0,
+                generate_fn=fn,
+            )
+        )
+        assert gen.seen == ["critic", "solver"]

@@ -165,6 +165,7 @@ async def generate_groups(
             n_samples=n_samples,
             policy_version=policy_version,
             return_routing=return_routing,
+            adapter=p.metadata.get(SEQUENCE_ADAPTER_KEY),
         )
         try:
             out = generate_fn(p, ctx)
