@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 
 from rl_core.errors import ConfigError, GenerationError  # noqa: E402
 from rl_core.lora import AdapterInfo, LoRAConfig, merge_adapter, peft_adapter_config  # noqa: E402
-from rl_core.testing.policy import random_batch, sft_loss  # noqa: E402
+from rl_core.testing.policy import PolicyConformance, random_batch, sft_loss  # noqa: E402
 from rl_core.types import GenerationRequest, SamplingParams  # noqa: E402
 from rl_hf import HFGenerator, HFPolicy, TinyModelSpec, build_tiny_model  # noqa: E402
 
@@ -44,6 +44,16 @@ def _adapter(policy: HFPolicy, name: str) -> dict[str, torch.Tensor]:
         for n, t in policy.named_adapter_weights()
         if n.startswith(prefix)
     }
+
+
+class TestHFPolicyMultiLoRA(PolicyConformance):
+    """The Policy contract holds with two adapters (batches without adapters: the default)."""
+
+    supports_offload = True
+
+    @pytest.fixture
+    def policy(self, base_dir: Path) -> HFPolicy:
+        return _policy(base_dir)
 
 
 def test_config_refuses_inconsistent_adapters() -> None:
