@@ -436,6 +436,19 @@ class MultiAdapters:
                 "rollout.adapter_key values."
             )
 
+    def runs(self, batch: Any) -> Iterator[Any]:
+        """The micro-batches of ``batch`` (a :class:`~rl_core.types.TrainBatch`), each cut into
+        runs of one adapter (:func:`adapter_runs`), each run yielded with its adapter active.
+
+        Raises:
+            ConfigError: the batch names an adapter this policy does not have.
+        """
+        self.check(batch.adapters)
+        for mb in batch.micro_batches():
+            for name, run in adapter_runs(mb, self.lora.default_adapter):
+                with self.active(name):
+                    yield run
+
     @contextlib.contextmanager
     def active(self, name: str) -> Iterator[None]:
         """Forward passes inside run adapter ``name`` (every adapter keeps requiring gradients;

@@ -487,18 +487,10 @@ class HFPolicy(OffloadMixin, Policy):
         return metrics
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
-        """``batch.micro_batches()``; with several adapters each cut into runs of one adapter
-        (``batch.adapters``), each run yielded with its adapter active."""
+        """``batch.micro_batches()``, cut by adapter with several (``MultiAdapters.runs``)."""
         if self._multi is None or self._base_view:
-            yield from batch.micro_batches()
-            return
-        from rl_hf._lora import adapter_runs
-
-        self._multi.check(batch.adapters)
-        for mb in batch.micro_batches():
-            for name, run in adapter_runs(mb, self.config.lora.default_adapter):
-                with self._multi.active(name):
-                    yield run
+            return iter(batch.micro_batches())
+        return self._multi.runs(batch)
 
     @contextlib.contextmanager
     def _lora_dropout(self, on: bool) -> Iterator[None]:
