@@ -99,3 +99,20 @@ def test_data_parallel_shards_cover_the_batch_with_their_own_micro_batches():
         dataclasses.replace(batch, dp_bounds=(0, 4, 5))  # 4 is not a micro-batch bound
     with pytest.raises(IndexError):
         dataclasses.replace(batch, dp_bounds=()).shard(1)
+
+
+def test_rollout_adapters_follow_their_sequences() -> None:
+    """Multi-LoRA: a rollout's ``metadata["lora_adapter"]`` becomes its ``TrainBatch.adapters``
+    entry and stays with it through micro-batches and data-parallel shards."""
+    from rl_core.lora import SEQUENCE_ADAPTER_KEY
+
+    rs = [_rollout(f"s{i}", [1, 2], [3, 4]) for i in range(4)]
+    for r, a in zip(rs, ["a", None, "b", "a"], strict=True):
+        if a is not None:
+            r.metadata[SEQUENCE_ADAPTER_KEY] = a
+    batch = pack_rollouts(rs, micro_batch_bounds=(0, 1, 2, 4))
+    batch.dp_bounds = (0, 2, 4)
+    assert batch.adapters == ("a", None, "b", "a")
+    assert [mb.adapters for mb in batch.micro_batches()] == [("a",), (None,), ("b", "a")]
+    assert batch.shard(1).adapters == ("b", "a")
+    assert pack_rollouts(rs[1:2]).adapters == ()  # untagged: the default for every sequence

@@ -86,3 +86,29 @@ def test_update_marker_round_trips():
     bad = WeightUpdate(version=3, base_version=None, transport="x", metadata={"lora_adapter": 1})
     with pytest.raises(WeightSyncError, match="lora_adapter"):
         adapter_of(bad)
+
+
+def test_multi_adapter_update_marker_round_trips_and_splits() -> None:
+    """Multi-LoRA: one update names every adapter; its tensors split back by adapter."""
+    from rl_core.errors import WeightSyncError
+    from rl_core.lora import (
+        LoRAConfig,
+        adapter_of,
+        adapter_tensor_name,
+        split_adapters,
+        with_adapter,
+    )
+    from rl_core.types import WeightUpdate
+
+    lora = LoRAConfig(rank=2, adapters=("solver", "critic"), name="critic")
+    info = adapter_of(with_adapter(WeightUpdate(version=3, base_version=None, transport="t"), lora))
+    assert info is not None and info.names == ("solver", "critic") and info.name == "critic"
+    assert info.lora.rank == 2 and info.lora.adapters == ()
+    a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors = [(adapter_tensor_name(n, a), torch.zeros(2, 4)) for n in ("solver", "critic")]
+    parts = split_adapters(tensors, info.names)
+    assert set(parts) == {"solver", "critic"} and list(parts["critic"]) == [a]
+    with pytest.raises(WeightSyncError, match="no tensors for adapter"):
+        split_adapters(tensors[:1], info.names)
+    with pytest.raises(WeightSyncError, match="<adapter>/<peft name>"):
+        split_adapters([(a, torch.zeros(2, 4))], info.names)

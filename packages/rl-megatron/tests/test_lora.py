@@ -220,3 +220,9 @@ def test_save_merged_is_a_plain_model_with_the_adapter_folded_in(
         atol=1e-5,
         rtol=0,
     )
+
+
+def test_multi_lora_is_refused_by_name() -> None:
+    """Several adapters (``policy.lora.adapters``) run on HFPolicy only."""
+    with pytest.raises(ConfigError, match=r"policy.lora.adapters: .*policy.type: hf"):
+        MegatronPolicy.Config(model_path="unused", lora=LoRAConfig(adapters=("a", "b")))

@@ -153,6 +153,11 @@ class RolloutConfig:
     experts in every log-prob pass and the training step. Needs a generator with
     ``supports_routing`` and, for ``replay``, a policy with ``supports_routing_replay``
     (checked at start-up), and a mixture-of-experts model."""
+    adapter_key: str | None = None
+    """Multi-LoRA (``policy.lora.adapters``): the ``Prompt.metadata`` field whose value names
+    the adapter that samples and trains on a prompt (e.g. ``task``, filled by the data
+    source's ``metadata_key``); a prompt without it uses the default adapter. Required with
+    ``policy.lora.adapters``, refused without (docs/lora.md)."""
     routing_no_replay_every: NonNegInt = 1
     """With ``routing_replay: replay``: on step 1 and every this many steps after it, run one
     more log-prob pass without replay, for ``routing/mismatch_no_replay`` and

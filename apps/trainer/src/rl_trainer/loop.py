@@ -87,6 +87,9 @@ class Trainer:
         self.reference: Any = None
         self.adapter_sync = False
         """The RL phase publishes LoRA adapters, not full weights (``rl.lora_sync``)."""
+        self.adapters_served = False
+        """Multi-LoRA: the generator holds every adapter (after the first adapter update), so
+        requests name their adapters (before it, fresh adapters equal the base it serves)."""
         self.teacher: Any = None
         """The frozen distillation teacher (``teacher``; :mod:`rl_trainer.teacher`)."""
         self.critic: Any = None

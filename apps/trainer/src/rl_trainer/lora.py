@@ -10,6 +10,12 @@ sync, and the final export.
   serves. ``merged``: publish the merged full weights (:meth:`named_weights`). ``auto``:
   ``adapter`` when the policy has LoRA and the generator takes adapters
   (``Generator.supports_lora_adapters``), else ``merged``.
+- **Multi-LoRA** (``policy.lora.adapters`` with ``rollout.adapter_key``): every prompt is
+  tagged with its adapter (:func:`tag_prompts`, ``Prompt.metadata[SEQUENCE_ADAPTER_KEY]``); the
+  default sampling sends it as ``GenerationRequest.adapter``, its rollouts carry it
+  (:func:`tag_groups`) into ``TrainBatch.adapters``, so each adapter trains on its own
+  prompts only. One adapter-only update per sync carries every adapter
+  (:func:`rl_core.lora.with_adapter`); :func:`check_multi` refuses what cannot work.
 - **Export.** ``final_model`` holds the merged Hugging Face model (every consumer of a
   ``final_model`` loads it unchanged) and ``final_model/adapter`` the peft adapter directory
   (``peft.PeftModel.from_pretrained(base, "final_model/adapter")``).
@@ -24,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError
-from rl_core.lora import with_adapter
-from rl_core.types import LogProbOutput, TrainBatch
+from rl_core.lora import SEQUENCE_ADAPTER_KEY, adapter_of, with_adapter
+from rl_core.types import Group, LogProbOutput, Prompt, TrainBatch
 
 if TYPE_CHECKING:
     from rl_trainer.loop import Trainer
@@ -33,9 +39,15 @@ if TYPE_CHECKING:
 __all__ = [
     "ADAPTER_DIR",
     "BaseReference",
+    "adapter_metrics",
+    "check_multi",
     "mark_update",
+    "multi",
     "policy_weights",
     "save_final",
+    "served",
+    "tag_groups",
+    "tag_prompts",
     "use_adapter_sync",
     "weights_copy",
 ]
@@ -131,3 +143,103 @@ def save_final(policy: Any, directory: Path) -> None:
         return
     policy.save_merged(directory)
     policy.save(directory / ADAPTER_DIR, with_optimizer=False)
+
+
+# ----------------------------------------------------------------------------- multi-LoRA
+def multi(policy: Any) -> bool:
+    """Whether ``policy`` trains several adapters (``policy.lora.adapters``)."""
+    lora = policy.lora
+    return lora is not None and bool(getattr(lora, "adapters", ()))
+
+
+def check_multi(key: str | None, policy: Any, adapter_sync: bool) -> None:
+    """Refuse inconsistent multi-LoRA settings (``rollout.adapter_key``, ``policy.lora.adapters``,
+    ``rl.lora_sync``), naming the field to change.
+
+    Raises:
+        ConfigError: an adapter key without several adapters or the reverse, or several
+            adapters published as merged weights (one model cannot hold several adapters).
+    """
+    lora, several = policy.lora, multi(policy)
+    if key and not several:
+        raise ConfigError(
+            f"rollout.adapter_key: {key!r} picks a LoRA adapter per prompt, but "
+            "policy.lora.adapters is not set; set policy.lora.adapters (e.g. [solver, critic]) "
+            "or drop rollout.adapter_key."
+        )
+    if several and not key:
+        raise ConfigError(
+            f"policy.lora.adapters: {list(lora.adapters)} needs rollout.adapter_key, the prompt "
+            "metadata field naming each prompt's adapter (else only the default adapter would "
+            "ever train)."
+        )
+    if several and not adapter_sync:
+        raise ConfigError(
+            "policy.lora.adapters: several adapters are published as adapters, but this run "
+            "publishes merged weights (rl.lora_sync, the generator's supports_lora_adapters, "
+            "or the ray runtime); use a generator that takes adapters (hf, or sglang with "
+            "enable_lora) on the local runtime with rl.lora_sync: adapter or auto."
+        )
+
+
+def served(run: Trainer, update: Any) -> None:
+    """After the generator loaded ``update``: a multi-LoRA run's requests name their adapters
+    from now on (eval prompts too). Until the first adapter update the generator serves the
+    base, which is exactly what fresh adapters (``B = 0``) compute, so the first round asks for
+    no adapter; a resumed run syncs before its first round."""
+    if run.adapters_served or not run.adapter_sync or not multi(run.policy):
+        return
+    if adapter_of(update) is None:
+        return
+    for eval_set in run.parts.eval_sets:
+        tag_prompts(run.config.rollout.adapter_key, run.policy.lora, eval_set.prompts)
+    run.adapters_served = True
+
+
+def tag_prompts(key: str | None, lora: Any, prompts: Iterable[Prompt]) -> None:
+    """Write each prompt's adapter (its ``metadata[key]``; absent: the default adapter) to
+    ``metadata[SEQUENCE_ADAPTER_KEY]``. A no-op without ``key``.
+
+    Raises:
+        ConfigError: a prompt names an adapter that is not one of ``policy.lora.adapters``.
+    """
+    if not key:
+        return
+    for p in prompts:
+        name = p.metadata.get(key, lora.default_adapter)
+        if name not in lora.adapter_names:
+            raise ConfigError(
+                f"rollout.adapter_key: prompt {p.uid} has metadata[{key!r}] = {name!r}, which "
+                f"is not one of policy.lora.adapters {list(lora.adapter_names)}; add it there "
+                "or fix the data."
+            )
+        p.metadata[SEQUENCE_ADAPTER_KEY] = str(name)
+
+
+def tag_groups(groups: Iterable[Group]) -> None:
+    """Give every rollout its prompt's adapter (``metadata[SEQUENCE_ADAPTER_KEY]``), so packing
+    puts it in ``TrainBatch.adapters`` whatever produced the rollouts."""
+    for g in groups:
+        name = g.prompt.metadata.get(SEQUENCE_ADAPTER_KEY)
+        if name is not None:
+            for r in g.rollouts:
+                r.metadata[SEQUENCE_ADAPTER_KEY] = name
+
+
+def adapter_metrics(groups: Iterable[Group], train: dict[str, float]) -> dict[str, float]:
+    """Per-adapter metrics of a multi-LoRA step: ``rollout/reward_mean/<adapter>``,
+    ``train/samples/<adapter>`` and ``train/grad_norm/<adapter>`` (empty otherwise)."""
+    rewards: dict[str, list[float]] = {}
+    for g in groups:
+        for r in g.rollouts:
+            name = r.metadata.get(SEQUENCE_ADAPTER_KEY)
+            if name is not None and r.reward is not None:
+                rewards.setdefault(name, []).append(float(r.reward))
+    out: dict[str, float] = {}
+    for name, xs in sorted(rewards.items()):
+        out[f"rollout/reward_mean/{name}"] = sum(xs) / len(xs)
+        out[f"train/samples/{name}"] = float(len(xs))
+    for k, v in train.items():
+        if k.startswith("grad_norm/"):
+            out[f"train/{k}"] = v
+    return out

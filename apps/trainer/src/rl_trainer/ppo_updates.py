@@ -57,7 +57,7 @@ def take_sequences(
 
     Every per-token tensor field (first dimension ``T``: tokens, masks, weights, advantages,
     log-probs, values, routing, and any field added later) is gathered; ``cu_seqlens`` and
-    ``sample_ids`` follow the sequences; other fields are kept as they are.
+    ``sample_ids`` and ``adapters`` follow the sequences; other fields are kept as they are.
     """
     cu_N1 = batch.cu_seqlens.to("cpu")
     t = batch.num_tokens
@@ -70,6 +70,7 @@ def take_sequences(
     changes: dict[str, Any] = {
         "cu_seqlens": new_cu.to(batch.cu_seqlens.device),
         "sample_ids": tuple(batch.sample_ids[i] for i in seq_index) if batch.sample_ids else (),
+        "adapters": tuple(batch.adapters[i] for i in seq_index) if batch.adapters else (),
         "micro_batch_bounds": tuple(micro_batch_bounds),
         "dp_bounds": tuple(dp_bounds),
     }

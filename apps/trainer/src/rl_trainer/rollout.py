@@ -29,6 +29,7 @@ from rl_core.interfaces import (
     RolloutContext,
     Tokenizer,
 )
+from rl_core.lora import SEQUENCE_ADAPTER_KEY
 from rl_core.routing import pad_routing
 from rl_core.types import (
     FinishReason,
@@ -101,13 +102,15 @@ def sample_requests(
 ) -> list[GenerationRequest]:
     """The default path's requests: ``n_samples`` per prompt, prompt-major, each with its own
     derived seed and the id ``<prompt uid>/<sample index>``; ``return_routing`` asks the engine
-    for the experts of every token (``rollout.routing_replay``)."""
+    for the experts of every token (``rollout.routing_replay``); a prompt tagged with a LoRA
+    adapter (multi-LoRA, ``metadata[SEQUENCE_ADAPTER_KEY]``) asks for that adapter."""
     return [
         GenerationRequest(
             request_id=f"{p.uid}/{j}",
             input_ids=tuple(p.token_ids),
             sampling=dataclasses.replace(sampling, seed=derive_seed(*seed_parts, i, j)),
             return_routing=return_routing,
+            adapter=p.metadata.get(SEQUENCE_ADAPTER_KEY),
         )
         for i, p in enumerate(prompts)
         for j in range(n_samples)
@@ -162,6 +165,7 @@ async def generate_groups(
             n_samples=n_samples,
             policy_version=policy_version,
             return_routing=return_routing,
+            adapter=p.metadata.get(SEQUENCE_ADAPTER_KEY),
         )
         try:
             out = generate_fn(p, ctx)

@@ -145,6 +145,8 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
         turns_before = dataclasses.replace(resumable_generator(run).stats)
     while not sampler.full:
         prompts = parts.train_data.next_prompts(sampler.request_size())
+        if run.adapters_served:  # multi-LoRA: each prompt samples with its adapter
+            lora.tag_prompts(cfg.adapter_key, run.policy.lora, prompts)
         t0 = time.perf_counter()
         seed_parts = (run.config.seed, "rl", step, round_)
         round_stats = RolloutStats()
@@ -166,6 +168,9 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
                 run, prompts, cfg.sampling.to_params(), cfg.n_samples, seed_parts, round_stats
             )
         gen_time += time.perf_counter() - t0
+        if lora.multi(run.policy):  # ... and its rollouts train it
+            lora.tag_prompts(cfg.adapter_key, run.policy.lora, prompts)
+            lora.tag_groups(groups)
         gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
         await parts.scorer.score(groups, round_stats)
         _shape_rewards(run, groups)
@@ -519,6 +524,7 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
         {(i, r.rollout_id) for i, g in enumerate(groups) for r in g.rollouts}
     )
     record.update(routing_record)
+    record.update(lora.adapter_metrics(groups, m))
     record["perf/train_time"] = train_time
     record["perf/train_tokens_per_s"] = batch.num_tokens / train_time
     return record
@@ -541,6 +547,7 @@ async def load_update(run: Trainer, version: int, update: Any) -> None:
             f"generator serves version {run.generator.weight_version} after an update to "
             f"{version}; the weight transport did not apply it."
         )
+    lora.served(run, update)
 
 
 async def publish(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -160,8 +160,10 @@ class ResumableTurns:
         *,
         request_id: str,
         return_routing: bool = False,
+        adapter: str | None = None,
     ) -> list[GenerationResult]:
-        """One turn, as the pieces that sampled it (oldest first; the last one finished)."""
+        """One turn, as the pieces that sampled it (oldest first; the last one finished), every
+        piece on the LoRA ``adapter`` (``GenerationRequest.adapter``)."""
         pieces: list[GenerationResult] = []
         ids = tuple(input_ids)
         left = sampling.max_new_tokens
@@ -174,7 +176,11 @@ class ResumableTurns:
                     params, seed=(params.seed * 1_000_003 + part) & 0x7FFFFFFF
                 )
             req = GenerationRequest(
-                request_id=rid, input_ids=ids, sampling=params, return_routing=return_routing
+                request_id=rid,
+                input_ids=ids,
+                sampling=params,
+                return_routing=return_routing,
+                adapter=adapter,
             )
             await self._gate()
             served = self.generator.weight_version
@@ -249,7 +255,11 @@ class ResumableGenerator(Generator):
 
         async def one(q: GenerationRequest) -> GenerationResult:
             pieces = await self.turns.generate(
-                q.input_ids, q.sampling, request_id=q.request_id, return_routing=q.return_routing
+                q.input_ids,
+                q.sampling,
+                request_id=q.request_id,
+                return_routing=q.return_routing,
+                adapter=q.adapter,
             )
             return ResumedResult.merge(pieces)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rl_core.lora import SEQUENCE_ADAPTER_KEY
 from rl_core.types import GenerationRequest, GenerationResult, Rollout, SamplingParams
 
 __all__ = ["continue_rollout", "resume_request"]
@@ -25,7 +26,8 @@ def resume_request(
     rollout: Rollout, sampling: SamplingParams, *, request_id: str
 ) -> GenerationRequest | None:
     """The request that continues ``rollout``: all its tokens in, and a ``max_new_tokens`` budget
-    reduced by the response tokens already sampled. ``None`` when the budget is used up."""
+    reduced by the response tokens already sampled, on the rollout's LoRA adapter (multi-LoRA,
+    ``metadata[SEQUENCE_ADAPTER_KEY]``). ``None`` when the budget is used up."""
     left = sampling.max_new_tokens - rollout.response_length
     if left < 1:
         return None
@@ -34,6 +36,7 @@ def resume_request(
         input_ids=rollout.tokens,
         sampling=dataclasses.replace(sampling, max_new_tokens=left),
         return_routing=rollout.routed_experts is not None,
+        adapter=rollout.metadata.get(SEQUENCE_ADAPTER_KEY),
     )
 
 

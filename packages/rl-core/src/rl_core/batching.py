@@ -61,7 +61,9 @@ def pack_rollouts(
 
     ``advantages``: per rollout ``[R_i]`` (zeros when omitted, e.g. for SFT). ``loss_weights``:
     ``[T]`` from :func:`rl_core.algorithms.aggregation.compute_loss_weights`; when omitted it is
-    the token mean over the loss mask. ``mask_versions_below``: zero the loss mask on tokens
+    the token mean over the loss mask. A rollout's ``metadata[SEQUENCE_ADAPTER_KEY]``
+    (:mod:`rl_core.lora`, multi-LoRA) becomes its ``TrainBatch.adapters`` entry.
+    ``mask_versions_below``: zero the loss mask on tokens
     produced by a policy version older than this (off-policy masking for partial rollouts).
     """
     if not rollouts:
@@ -101,6 +103,9 @@ def pack_rollouts(
             f"pack_rollouts: rollout {missing} has no routed_experts but others in the batch do; "
             "with routing replay every rollout of a step must carry its routing."
         )
+    from rl_core.lora import SEQUENCE_ADAPTER_KEY
+
+    adapters = tuple(r.metadata.get(SEQUENCE_ADAPTER_KEY) for r in rollouts)
     return TrainBatch(
         tokens=tokens_T,
         cu_seqlens=cu_N1,
@@ -111,6 +116,7 @@ def pack_rollouts(
         versions=versions_T,
         routed_experts=torch.cat(routed) if routed[0] is not None else None,
         sample_ids=tuple(r.sample_id for r in rollouts),
+        adapters=adapters if any(a is not None for a in adapters) else (),
         micro_batch_bounds=tuple(micro_batch_bounds),
     )
 

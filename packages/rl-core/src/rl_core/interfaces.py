@@ -447,6 +447,10 @@ class RolloutContext:
     """Ask the engine for the experts it routed every token to (``rollout.routing_replay``);
     :meth:`generate` sets it on its requests. Keep ``GenerationResult.routed_experts`` in the
     rollout (``TrajectoryBuilder`` does)."""
+    adapter: str | None = None
+    """Multi-LoRA: the LoRA adapter of this prompt (``GenerationRequest.adapter``, set by the
+    trainer from the prompt); :meth:`generate` sets it on its requests. ``None``: the
+    generator's default."""
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams | None = None, *, request_id: str
@@ -458,6 +462,7 @@ class RolloutContext:
             input_ids=tuple(input_ids),
             sampling=sampling or self.sampling,
             return_routing=self.return_routing,
+            adapter=self.adapter,
         )
         (result,) = await self.generator.generate([req])
         return result

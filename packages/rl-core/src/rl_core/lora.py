@@ -44,9 +44,11 @@ __all__ = [
     "ADAPTER_KEY",
     "ADAPTER_WEIGHTS_FILE",
     "PEFT_PREFIX",
+    "SEQUENCE_ADAPTER_KEY",
     "AdapterInfo",
     "LoRAConfig",
     "adapter_of",
+    "adapter_tensor_name",
     "base_identity",
     "load_adapter",
     "lora_from_peft_config",
@@ -55,6 +57,7 @@ __all__ = [
     "peft_adapter_config",
     "peft_name",
     "save_adapter",
+    "split_adapters",
     "with_adapter",
 ]
 
@@ -67,6 +70,10 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 """peft's adapter tensors file."""
 PEFT_PREFIX = "base_model.model."
 """Prefix peft puts before Hugging Face module names in a saved adapter."""
+SEQUENCE_ADAPTER_KEY = "lora_adapter"
+"""Key of ``Prompt.metadata`` and ``Rollout.metadata`` naming the adapter (multi-LoRA,
+:attr:`LoRAConfig.adapters`) that samples and trains on that prompt's rollouts; absent: the
+default adapter."""
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every linear layer of a Llama/Qwen decoder layer (attention and MLP)."""
@@ -96,7 +103,12 @@ class LoRAConfig:
     use_rslora: bool = False
     """Rank-stabilised scaling ``alpha / sqrt(rank)``."""
     name: str = "default"
-    """Adapter name: the name a generator serves it under (multi-LoRA picks adapters by it)."""
+    """Adapter name: the name a generator serves it under (multi-LoRA picks adapters by it).
+    With ``adapters`` set: the default adapter (one of them; ``"default"`` means the first)."""
+    adapters: tuple[str, ...] = ()
+    """Multi-LoRA: the names of several adapters on one base, all with these settings (rank,
+    alpha, targets). Each trains only on its own prompts' rollouts (``rollout.adapter_key``
+    picks it per prompt) and is served under its own name. Empty: one adapter, ``name``."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further peft ``LoraConfig`` fields written into ``adapter_config.json`` as they are."""
 
@@ -117,6 +129,44 @@ class LoRAConfig:
                 f"policy.lora.name: {self.name!r} must be letters, digits, '_', '.', '-' (it "
                 "names the adapter on the generator and in file paths)."
             )
+        if self.adapters:
+            bad = [a for a in self.adapters if not re.fullmatch(r"[A-Za-z0-9_.-]+", a)]
+            if bad:
+                raise ConfigError(
+                    f"policy.lora.adapters: {bad} must be letters, digits, '_', '.', '-' (each "
+                    "names an adapter on the generator and in file paths)."
+                )
+            dup = sorted({a for a in self.adapters if self.adapters.count(a) > 1})
+            if dup:
+                raise ConfigError(f"policy.lora.adapters: {dup} appear more than once.")
+            if self.name != "default" and self.name not in self.adapters:
+                raise ConfigError(
+                    f"policy.lora.name: {self.name!r} is not one of policy.lora.adapters "
+                    f"{list(self.adapters)}; with several adapters name names the default one "
+                    "(or leave it 'default': the first)."
+                )
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Every adapter trained: ``adapters``, or ``(name,)`` for one."""
+        return self.adapters or (self.name,)
+
+    @property
+    def default_adapter(self) -> str:
+        """The adapter of prompts and requests that name none: ``name``, or with ``adapters``
+        and ``name`` left ``"default"`` the first adapter."""
+        if self.adapters and self.name not in self.adapters:
+            return self.adapters[0]
+        return self.name
+
+    @property
+    def multi(self) -> bool:
+        """Several adapters (``adapters`` set)."""
+        return bool(self.adapters)
+
+    def single(self, name: str) -> LoRAConfig:
+        """The settings of adapter ``name`` alone (``adapters`` cleared)."""
+        return dataclasses.replace(self, name=name, adapters=())
 
     @property
     def scaling(self) -> float:
@@ -321,6 +371,10 @@ class AdapterInfo:
     """The adapter's name on the generator (:attr:`LoRAConfig.name`)."""
     config: Mapping[str, Any]
     """Its ``adapter_config.json`` contents (:func:`peft_adapter_config`)."""
+    names: tuple[str, ...] = ()
+    """Multi-LoRA: the adapters the update carries (each tensor named
+    :func:`adapter_tensor_name`), all with ``config``; ``name`` is the default one. Empty: one
+    adapter, ``name``, with plain peft names."""
 
     @property
     def lora(self) -> LoRAConfig:
@@ -329,13 +383,52 @@ class AdapterInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able form stored under :data:`ADAPTER_KEY`."""
-        return {"name": self.name, "config": dict(self.config)}
+        out: dict[str, Any] = {"name": self.name, "config": dict(self.config)}
+        if self.names:
+            out["names"] = list(self.names)
+        return out
+
+
+def adapter_tensor_name(adapter: str, name: str) -> str:
+    """The name of adapter ``adapter``'s tensor ``name`` (peft naming) in a multi-adapter
+    update: ``<adapter>/<peft name>``."""
+    return f"{adapter}/{name}"
+
+
+def split_adapters(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], names: Iterable[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensors of a multi-adapter update (:func:`adapter_tensor_name`), by adapter, under
+    their peft names.
+
+    Raises:
+        WeightSyncError: a tensor belongs to none of ``names``, or an adapter has no tensors.
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    for full, tensor in named_tensors:
+        adapter, sep, name = full.partition("/")
+        if not sep or adapter not in out:
+            raise WeightSyncError(
+                f"multi-adapter update: tensor {full!r} is not named '<adapter>/<peft name>' "
+                f"with an adapter of {sorted(out)}."
+            )
+        out[adapter][name] = tensor
+    empty = sorted(n for n, t in out.items() if not t)
+    if empty:
+        raise WeightSyncError(f"multi-adapter update: no tensors for adapter(s) {empty}.")
+    return out
 
 
 def with_adapter(update: WeightUpdate, lora: LoRAConfig, base_model: str = "") -> WeightUpdate:
     """``update`` marked as carrying the adapter ``lora`` (the sender calls this on what its
-    transport's ``publish`` returned for the adapter tensors)."""
-    info = AdapterInfo(lora.name, peft_adapter_config(lora, base_model))
+    transport's ``publish`` returned for the adapter tensors). With several adapters
+    (:attr:`LoRAConfig.adapters`) the update carries all of them, named
+    :func:`adapter_tensor_name`, and the marker lists them."""
+    info = AdapterInfo(
+        lora.default_adapter,
+        peft_adapter_config(lora.single(lora.default_adapter), base_model),
+        names=lora.adapters,
+    )
     return dataclasses.replace(update, metadata={**update.metadata, ADAPTER_KEY: info.to_dict()})
 
 
@@ -353,4 +446,6 @@ def adapter_of(update: WeightUpdate) -> AdapterInfo | None:
             f"weight update v{update.version}: metadata[{ADAPTER_KEY!r}] must hold 'name' and "
             f"'config', got {raw!r}."
         )
-    return AdapterInfo(str(raw["name"]), dict(raw["config"]))
+    return AdapterInfo(
+        str(raw["name"]), dict(raw["config"]), names=tuple(str(n) for n in raw.get("names", ()))
+    )

@@ -130,6 +130,10 @@ class GenerationRequest:
     """Ask the engine for the experts a mixture-of-experts model chose for every token
     (:attr:`GenerationResult.routed_experts`); an engine that cannot record them raises
     ``GenerationError`` naming ``rollout.routing_replay``."""
+    adapter: str | None = None
+    """Multi-LoRA: the name of the loaded LoRA adapter to sample with (an engine without it
+    raises ``GenerationError``); ``None``: the generator's default (the adapter it serves
+    when none is named, or the base model)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -345,6 +349,9 @@ class TrainBatch:
     (:mod:`rl_core.routing`); ``None`` when not recorded or not replayed."""
     sample_ids: tuple[str, ...] = ()
     """``[N]`` ``Rollout.sample_id`` of each sequence."""
+    adapters: tuple[str | None, ...] = ()
+    """``[N]`` multi-LoRA: the adapter each sequence is scored and trained with (``None``: the
+    policy's default); empty: the default for every sequence."""
     micro_batch_bounds: tuple[int, ...] = ()
     """Sequence-index bounds ``[0, k1, ..., N]`` of the micro-batches; empty means one."""
     dp_bounds: tuple[int, ...] = ()
@@ -381,6 +388,11 @@ class TrainBatch:
             from rl_core.routing import validate_routing
 
             validate_routing(self.routed_experts, num_tokens=t, where="TrainBatch")
+        if self.adapters and len(self.adapters) != self.num_sequences:
+            raise ValueError(
+                f"TrainBatch.adapters: {len(self.adapters)} names for {self.num_sequences} "
+                "sequences; give one per sequence (or none)."
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -425,6 +437,7 @@ class TrainBatch:
             returns=cut(self.returns),
             routed_experts=cut(self.routed_experts),
             sample_ids=self.sample_ids[a:b],
+            adapters=self.adapters[a:b],
             micro_batch_bounds=micro_batch_bounds,
         )
 

@@ -31,6 +31,8 @@ from rl_core.lora import (
 
 __all__ = [
     "BASE_FILE",
+    "MultiAdapters",
+    "adapter_runs",
     "check_base",
     "merged_named_weights",
     "peft_lora_config",
@@ -91,16 +93,19 @@ def wrap(model: torch.nn.Module, lora: LoRAConfig, *, seed: int) -> Any:
     """Adapt ``model`` in place with ``lora`` and return the ``PeftModel`` around it.
 
     ``A`` is drawn from a private RNG seeded with ``seed`` (``B`` starts at zero), so the initial
-    adapter is reproducible; only the adapter parameters require gradients afterwards.
+    adapter is reproducible; only the adapter parameters require gradients afterwards. With
+    several adapters (``lora.adapters``) each is added in that order (``A`` drawn from the same
+    RNG stream), all require gradients, and the default one is active.
 
     Raises:
         ConfigError: no linear layer of ``model`` matches ``lora.target_modules``.
     """
     peft = _peft()
+    first = lora.adapter_names[0]
     with torch.random.fork_rng(devices=[]), _quiet_peft():
         torch.manual_seed(seed)
         try:
-            peft_model = peft.get_peft_model(model, peft_lora_config(lora), adapter_name=lora.name)
+            peft_model = peft.get_peft_model(model, peft_lora_config(lora), adapter_name=first)
         except ValueError as e:  # peft: "Target modules ... not found in the base model"
             linear = sorted(
                 {
@@ -113,6 +118,13 @@ def wrap(model: torch.nn.Module, lora: LoRAConfig, *, seed: int) -> Any:
                 f"policy.lora.target_modules: {list(lora.target_modules)} match no linear layer "
                 f"of {type(model).__name__} ({e}); its linear layers are {linear}."
             ) from e
+        if lora.multi:  # multi-LoRA: the others after the default, from the same RNG stream
+            for other in lora.adapter_names:
+                if other != first:
+                    peft_model.add_adapter(other, peft_lora_config(lora))
+            peft_model.base_model.set_adapter(lora.default_adapter)
+            for name, param in model.named_parameters():
+                param.requires_grad_(".lora_" in name)
     return peft_model
 
 
@@ -314,6 +326,49 @@ class GeneratorAdapters:
         self.model.requires_grad_(False)
         self.activate(lora.name)
 
+    def load_update(self, info: Any, lora: LoRAConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load an adapter update (``info`` an :class:`~rl_core.lora.AdapterInfo`): one adapter
+        (:meth:`load`), or with ``info.names`` every adapter it carries (all checked before
+        any is loaded), ``info.name`` active after."""
+        from rl_core.lora import split_adapters
+
+        if not info.names:
+            self.load(lora, tensors)
+            return
+        parts = split_adapters(tensors.items(), info.names)
+        for name, part in parts.items():
+            self.check(dataclasses.replace(lora, name=name), part)
+        for name, part in parts.items():
+            self.load(dataclasses.replace(lora, name=name), part)
+        self.activate(info.name)
+
+    def run_grouped(self, batch: list[Any], run: Any) -> dict[str, float]:
+        """``run(part)`` for each part of ``batch`` (pending requests) that asks for one adapter
+        (``request.adapter``; ``None`` is the active one), with that adapter active; the active
+        adapter is restored after. Returns the summed stats of the parts."""
+        names = [p.request.adapter or self.active for p in batch]
+        if len(set(names)) <= 1:
+            if names and names[0] is not None and names[0] != self.active:
+                return self._run_with(names[0], batch, run)
+            return run(batch)
+        stats: dict[str, float] = {}
+        for name in dict.fromkeys(names):  # in order of first appearance
+            part = [p for p, n in zip(batch, names, strict=True) if n == name]
+            for k, v in self._run_with(name, part, run).items():
+                stats[k] = stats.get(k, 0.0) + v
+        return stats
+
+    def _run_with(self, name: str | None, part: list[Any], run: Any) -> dict[str, float]:
+        active = self.active
+        if name is None or name == active:
+            return run(part)
+        self.activate(name)
+        try:
+            return run(part)
+        finally:
+            if active is not None:
+                self.activate(active)
+
     def activate(self, name: str) -> None:
         """Serve adapter ``name`` from now on.
 
@@ -335,3 +390,153 @@ class GeneratorAdapters:
             for n, t in self.model.state_dict(keep_vars=False).items()
             if ".lora_" not in n
         }
+
+
+# ---------------------------------------------------------------------------- multi-LoRA
+
+
+def adapter_runs(batch: Any, default: str) -> list[tuple[str, Any]]:
+    """``batch`` (a :class:`~rl_core.types.TrainBatch`) cut into runs of consecutive sequences
+    with the same adapter (``batch.adapters``, ``None`` read as ``default``): ``[(adapter,
+    sub_batch)]`` in order. Losses and metrics are sums over tokens, so the runs' sum is the
+    batch's."""
+    names = [a or default for a in batch.adapters] or [default] * batch.num_sequences
+    if len(set(names)) <= 1:
+        return [(names[0] if names else default, batch)]
+    runs, start = [], 0
+    for i in range(1, len(names) + 1):
+        if i == len(names) or names[i] != names[start]:
+            runs.append((names[start], batch._sequences(start, i)))
+            start = i
+    return runs
+
+
+class MultiAdapters:
+    """The adapters of a multi-LoRA :class:`~rl_hf.HFPolicy` (``lora.adapters``) on its peft
+    model: which one runs a forward, each one's tensors, its gradient norm and its checkpoint
+    directory. Tensor names across adapters are :func:`rl_core.lora.adapter_tensor_name`."""
+
+    def __init__(self, peft_model: Any, lora: LoRAConfig) -> None:
+        self.peft = peft_model
+        """The ``PeftModel`` holding every adapter."""
+        self.lora = lora
+        """The shared settings (``lora.adapters`` the names)."""
+
+    def check(self, names: Iterator[str | None] | tuple[str | None, ...]) -> None:
+        """Check every adapter named by a batch is one of this policy's.
+
+        Raises:
+            ConfigError: an unknown adapter name.
+        """
+        unknown = sorted({n for n in names if n is not None} - set(self.lora.adapter_names))
+        if unknown:
+            raise ConfigError(
+                f"TrainBatch.adapters: {unknown} are not adapters of this policy "
+                f"(policy.lora.adapters: {list(self.lora.adapter_names)}); check the prompts' "
+                "rollout.adapter_key values."
+            )
+
+    def runs(self, batch: Any) -> Iterator[Any]:
+        """The micro-batches of ``batch`` (a :class:`~rl_core.types.TrainBatch`), each cut into
+        runs of one adapter (:func:`adapter_runs`), each run yielded with its adapter active.
+
+        Raises:
+            ConfigError: the batch names an adapter this policy does not have.
+        """
+        self.check(batch.adapters)
+        for mb in batch.micro_batches():
+            for name, run in adapter_runs(mb, self.lora.default_adapter):
+                with self.active(name):
+                    yield run
+
+    @contextlib.contextmanager
+    def active(self, name: str) -> Iterator[None]:
+        """Forward passes inside run adapter ``name`` (every adapter keeps requiring gradients;
+        only the active one enters the graph); the default adapter is active again after."""
+        self._switch(name)
+        try:
+            yield
+        finally:
+            self._switch(self.lora.default_adapter)
+
+    def _switch(self, name: str) -> None:
+        self.peft.base_model.set_adapter(name)  # peft also freezes the others: undo that
+        for pname, param in self.peft.base_model.model.named_parameters():
+            if ".lora_" in pname:
+                param.requires_grad_(True)
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter ``name``'s live tensors in peft naming (as ``get_peft_model_state_dict``
+        names them; read here by exact name component, so no adapter name can match another's
+        tensors)."""
+        prefix = f"{name}/"
+        live = self.live_state(self.peft.base_model.model.state_dict())
+        return {k[len(prefix) :]: t for k, t in live.items() if k.startswith(prefix)}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every adapter's tensors named ``<adapter>/<peft name>`` (detached views)."""
+        from rl_core.lora import adapter_tensor_name
+
+        for name in self.lora.adapter_names:
+            for key, tensor in self.state(name).items():
+                yield adapter_tensor_name(name, key), tensor.detach()
+
+    def grad_norms(self) -> dict[str, float]:
+        """``{"grad_norm/<adapter>": norm}`` of each adapter's current gradients (0 without)."""
+        out = {}
+        for name in self.lora.adapter_names:
+            marker = f".{name}."
+            grads = [
+                p.grad
+                for n, p in self.peft.base_model.model.named_parameters()
+                if ".lora_" in n and marker in n and p.grad is not None
+            ]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            out[f"grad_norm/{name}"] = float(norm)
+        return out
+
+    def live_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (the model's ``state_dict``) by the names ``load_weights`` takes: base
+        weights under Hugging Face names, adapter tensors ``<adapter>/<peft name>``."""
+        from rl_core.lora import PEFT_PREFIX, adapter_tensor_name
+
+        live = {}
+        for name, tensor in state.items():
+            if ".lora_" not in name:
+                live[name.replace(".base_layer.", ".")] = tensor
+                continue
+            head, _, rest = name.partition(".lora_")  # ...q_proj .lora_ A.<adapter>.weight
+            which, adapter, leaf = rest.split(".", 2)
+            live[adapter_tensor_name(adapter, f"{PEFT_PREFIX}{head}.lora_{which}.{leaf}")] = tensor
+        return live
+
+    def write_checkpoint(self, directory: Path, base_model: str) -> None:
+        """One peft directory per adapter (``directory/<adapter>/``) plus :data:`BASE_FILE`."""
+        for name in self.lora.adapter_names:
+            save_adapter(
+                directory / name,
+                self.state(name).items(),
+                self.lora.single(name),
+                base_model=base_model,
+            )
+        (directory / BASE_FILE).write_text(json.dumps(base_identity(base_model), indent=2) + "\n")
+
+    def read_checkpoint(self, directory: Path) -> dict[str, torch.Tensor]:
+        """Every adapter's tensors of :meth:`write_checkpoint`, named ``<adapter>/<peft name>``.
+
+        Raises:
+            CheckpointError: an adapter's directory is missing or does not fit.
+        """
+        from rl_core.lora import adapter_tensor_name
+
+        out = {}
+        for name in self.lora.adapter_names:
+            if not (directory / name).is_dir():
+                raise CheckpointError(
+                    f"{directory}: no directory {name!r} for adapter {name!r} of "
+                    f"policy.lora.adapters {list(self.lora.adapter_names)}; was it written with "
+                    "other adapters?"
+                )
+            tensors = read_adapter_checkpoint(directory / name, self.lora.single(name))
+            out.update({adapter_tensor_name(name, k): t for k, t in tensors.items()})
+        return out

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import inspect
 import random
 import threading
@@ -106,7 +107,8 @@ class HFGenerator(Generator):
     """Log-probs are under the top-k / top-p truncated distribution each token was drawn from."""
     supports_lora_adapters: ClassVar[bool] = True
     """Takes adapter-only updates (:func:`rl_core.lora.adapter_of`): the model is adapted in
-    place through peft, several adapters are kept by name, the last loaded one generates."""
+    place through peft, several adapters are kept by name; a request's ``adapter`` picks one
+    (rows of a batch are generated grouped by adapter), else the last loaded one generates."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -320,7 +322,9 @@ class HFGenerator(Generator):
     ) -> None:
         """Load the adapter ``info`` (peft-named tensors, all ``A`` and ``B`` of its targets)
         between batches, make it the active one and set ``version``; the base weights stay.
-        Everything is checked before the model changes.
+        Everything is checked before the model changes. A multi-adapter update (``info.names``,
+        tensors named ``<adapter>/<peft name>``) loads every adapter it names, and
+        ``info.name`` becomes the active one (the adapter of requests that name none).
 
         Raises:
             WeightSyncError: the adapter does not fit the served model (names, shapes, targets),
@@ -335,7 +339,7 @@ class HFGenerator(Generator):
             self._updates_waiting += 1
         try:
             with self._weights_lock, torch.no_grad():
-                self._adapters.load(lora, tensors)
+                self._adapters.load_update(info, lora, tensors)
                 self._state = self._adapters.base_state()
                 self._version = int(version)
         finally:
@@ -451,6 +455,12 @@ class HFGenerator(Generator):
     # ------------------------------------------------------------------ queueing
 
     def _check_request(self, req: GenerationRequest) -> None:
+        if req.adapter is not None and req.adapter not in self._adapters.configs:
+            raise GenerationError(
+                f"HFGenerator.generate: request {req.request_id!r} asks for LoRA adapter "
+                f"{req.adapter!r}, which is not loaded (loaded: {sorted(self._adapters.configs)}); "
+                "publish it first (an adapter-only weight update) or send adapter=None."
+            )
         if req.return_routing and self._router_tap is None:
             raise ConfigError(
                 f"rollout.routing_replay: request {req.request_id!r} asks for the routed experts "
@@ -503,7 +513,9 @@ class HFGenerator(Generator):
                 epoch = self._abort_all_epoch
             try:
                 with self._weights_lock:
-                    self.last_batch_stats = self._run_batch(batch, epoch)
+                    self.last_batch_stats = self._adapters.run_grouped(
+                        batch, functools.partial(self._run_batch, epoch=epoch)
+                    )
             except BaseException as e:  # the callers get the error, the worker lives on
                 err = e if isinstance(e, Exception) else GenerationError(repr(e))
                 for p in batch:

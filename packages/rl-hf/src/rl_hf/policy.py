@@ -186,11 +186,15 @@ class HFPolicy(OffloadMixin, Policy):
         self._routing_sink: list[torch.Tensor] | None = None
         self._check_head_for_hidden_path(path)
         self._peft: Any = None  # the peft wrapper of self.model (LoRA only)
+        self._multi: Any = None  # rl_hf._lora.MultiAdapters (multi-LoRA only)
+        self._base_view = False  # compute_base_logprobs: adapters disabled, none to pick
         if config.lora is not None:
             from rl_hf import _lora
 
             self._peft = _lora.wrap(self.model, config.lora, seed=config.seed)
             self.model.eval()  # the injected adapter modules are built in training mode
+            if config.lora.multi:
+                self._multi = _lora.MultiAdapters(self._peft, config.lora)
         if config.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self._version = 0
@@ -414,7 +418,7 @@ class HFPolicy(OffloadMixin, Policy):
         self._routing_sink = routing if self._router_tap is not None else None
         try:
             with torch.no_grad():
-                for mb in batch.micro_batches():
+                for mb in self._micro_batches(batch):
                     logp_T, ent_T = self._packed_logprobs(mb, with_entropy=with_entropy)
                     logps.append(logp_T)
                     if ent_T is not None:
@@ -449,7 +453,7 @@ class HFPolicy(OffloadMixin, Policy):
         dropout = self._peft is not None and self.config.lora.dropout > 0
         with torch.random.fork_rng(devices=rng_devices), self._lora_dropout(dropout):
             torch.manual_seed(self.config.seed + self._version)
-            for mb in batch.micro_batches():
+            for mb in self._micro_batches(batch):
                 mb_dev = self._on_device(mb)
                 logp_T, ent_T = self._packed_logprobs(mb_dev, with_entropy=needs_entropy)
                 out = loss_fn(logp_T, mb_dev, ent_T)
@@ -458,6 +462,8 @@ class HFPolicy(OffloadMixin, Policy):
                 loss_sum += float(out.loss.detach())
                 for name, value in out.metrics.items():
                     metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
+        if self._multi is not None:  # each adapter's gradient norm, before clipping
+            metric_sums.update(self._multi.grad_norms())
         if self.config.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.config.grad_clip)
         else:
@@ -479,6 +485,12 @@ class HFPolicy(OffloadMixin, Policy):
         }
         metrics.update(metric_sums)
         return metrics
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
+        """``batch.micro_batches()``, cut by adapter with several (``MultiAdapters.runs``)."""
+        if self._multi is None or self._base_view:
+            return iter(batch.micro_batches())
+        return self._multi.runs(batch)
 
     @contextlib.contextmanager
     def _lora_dropout(self, on: bool) -> Iterator[None]:
@@ -538,13 +550,18 @@ class HFPolicy(OffloadMixin, Policy):
     def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapter tensors in peft naming, exactly as ``peft.get_peft_model_state_dict``
         gives them (``base_model.model.<module>.lora_A.weight`` ``[r, in]``, ``lora_B``
-        ``[out, r]``), detached views of the live tensors.
+        ``[out, r]``), detached views of the live tensors. With several adapters
+        (``lora.adapters``): every adapter's, named ``<adapter>/<peft name>``
+        (:func:`rl_core.lora.adapter_tensor_name`, the multi-adapter update's naming).
 
         Raises:
             ConfigError: the policy has no adapter (``lora`` is not set).
         """
         if self._peft is None:
             yield from Policy.named_adapter_weights(self)
+            return
+        if self._multi is not None:
+            yield from self._multi.named_weights()
             return
         from peft import get_peft_model_state_dict
 
@@ -561,8 +578,12 @@ class HFPolicy(OffloadMixin, Policy):
         """
         if self._peft is None:
             return Policy.compute_base_logprobs(self, batch)
-        with self._peft.disable_adapter():
-            return self.compute_logprobs(batch)
+        self._base_view = True
+        try:
+            with self._peft.disable_adapter():
+                return self.compute_logprobs(batch)
+        finally:
+            self._base_view = False
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
@@ -610,6 +631,8 @@ class HFPolicy(OffloadMixin, Policy):
         state = self.model.state_dict()
         if self._peft is None:
             return state
+        if self._multi is not None:
+            return self._multi.live_state(state)
         adapter = f".{self.config.lora.name}."
         live = {}
         for name, tensor in state.items():
@@ -637,7 +660,8 @@ class HFPolicy(OffloadMixin, Policy):
         (``adapter_config.json``, ``adapter_model.safetensors``; ``peft.PeftModel.from_pretrained``
         loads it on the base), plus :data:`rl_hf._lora.BASE_FILE` naming the base model (path
         and checksum, checked by :meth:`load`) and the state file; :meth:`save_merged` writes
-        the merged Hugging Face model.
+        the merged Hugging Face model. With several adapters (``lora.adapters``) each has its
+        own peft directory, ``directory/<adapter>/``.
 
         Raises:
             CheckpointError: transformers could not write the model directory; the message
@@ -648,7 +672,10 @@ class HFPolicy(OffloadMixin, Policy):
             from rl_hf._lora import write_adapter_checkpoint
 
             out.mkdir(parents=True, exist_ok=True)
-            write_adapter_checkpoint(out, self._peft, self.config.lora, self.config.model_path)
+            if self._multi is not None:  # one peft directory per adapter
+                self._multi.write_checkpoint(out, self.config.model_path)
+            else:
+                write_adapter_checkpoint(out, self._peft, self.config.lora, self.config.model_path)
         else:
             self._save_hf(out)
         self._save_state(out, with_optimizer=with_optimizer)
@@ -769,7 +796,10 @@ class HFPolicy(OffloadMixin, Policy):
                 f"{src}: not a policy checkpoint (no {STATE_FILE}); write one with HFPolicy.save."
             )
         check_base(src, self.config.model_path)
-        tensors = dict(read_adapter_checkpoint(src, self.config.lora))
+        if self._multi is not None:
+            tensors = self._multi.read_checkpoint(src)
+        else:
+            tensors = dict(read_adapter_checkpoint(src, self.config.lora))
         expected = {n for n, _ in self.named_adapter_weights()}
         if set(tensors) != expected:
             raise CheckpointError(

@@ -222,6 +222,12 @@ class MegatronPolicy(
                     f"policy.recompute_method: {self.recompute_method!r} is not 'uniform' or "
                     "'block'."
                 )
+            if self.lora is not None and self.lora.adapters:
+                raise ConfigError(
+                    f"policy.lora.adapters: {list(self.lora.adapters)}: MegatronPolicy trains one "
+                    "adapter; multi-LoRA runs on HFPolicy (policy.type: hf), or drop "
+                    "policy.lora.adapters."
+                )
             if self.lora_init is not None and self.lora is None:
                 raise ConfigError(
                     "policy.lora_init: is set but policy.lora is not; set policy.lora (rank, "

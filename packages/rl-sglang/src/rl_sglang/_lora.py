@@ -20,11 +20,17 @@ a versioned name (``task-v7``); the adapter's own name (``task``) then resolves 
 that name none use it (when the default was unset or the previous version), the servers' weight
 version is stamped, and the previous version is unloaded. SGLang's unload waits for the requests
 still running on it, so in-flight requests finish on the old adapter.
+
+Multi-LoRA: a request's own ``adapter`` (:attr:`~rl_core.types.GenerationRequest.adapter`)
+picks its adapter by name (resolved to the current version), and a multi-adapter update
+(``AdapterInfo.names``) loads each adapter it carries under ``<name>-v<version>``, the default
+one first (it becomes the default of requests that name none).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,7 +41,7 @@ import torch
 
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import WeightTransport
-from rl_core.lora import AdapterInfo, adapter_of, save_adapter
+from rl_core.lora import AdapterInfo, adapter_of, save_adapter, split_adapters
 from rl_core.types import GenerationRequest, WeightUpdate
 from rl_sglang._state import _GeneratorState, _Server
 
@@ -141,11 +147,23 @@ class _LoRAMixin(_GeneratorState):
                 f"SGLangGenerator: adapter update v{update.version} ({info.name!r}) delivered no "
                 f"tensors through transport {update.transport!r}."
             )
-        served = f"{info.name}-v{update.version}"
-        directory = Path(self.log_dir) / "adapters" / served  # type: ignore[attr-defined]
+        # multi-LoRA: every adapter the update carries, the default one first
+        if info.names:
+            parts = split_adapters(sink.tensors, info.names)
+            order = [info.name, *(n for n in info.names if n != info.name)]
+            adapters = [(n, list(parts[n].items())) for n in order]
+        else:
+            adapters = [(info.name, sink.tensors)]
         base = str(info.config.get("base_model_name_or_path") or "")
-        await asyncio.to_thread(save_adapter, directory, sink.tensors, info.lora, base_model=base)
-        await self._io.run(self._swap_adapter(info.name, served, str(directory), update.version))
+        loaded = []
+        for name, tensors in adapters:
+            served = f"{name}-v{update.version}"
+            directory = Path(self.log_dir) / "adapters" / served  # type: ignore[attr-defined]
+            lora = dataclasses.replace(info.lora, name=name)
+            await asyncio.to_thread(save_adapter, directory, tensors, lora, base_model=base)
+            loaded.append((name, served, str(directory)))
+        for name, served, directory in loaded:
+            await self._io.run(self._swap_adapter(name, served, directory, update.version))
 
     async def _swap_adapter(self, name: str, served: str, path: str, version: int) -> None:
         async with self._weights_lock():  # type: ignore[attr-defined]
@@ -247,9 +265,12 @@ class _LoRAMixin(_GeneratorState):
     def _adapters_for(
         self, requests: Sequence[GenerationRequest], lora_adapter: str | Sequence[str | None] | None
     ) -> list[str | None]:
-        """The adapter name of each request (``None``: the base model)."""
-        if lora_adapter is None or isinstance(lora_adapter, str):
-            names: list[str | None] = [lora_adapter or self._default_lora] * len(requests)
+        """The adapter name of each request (``None``: the base model): ``lora_adapter``, else
+        the request's own ``adapter``, else the default."""
+        if lora_adapter is None:
+            names: list[str | None] = [r.adapter or self._default_lora for r in requests]
+        elif isinstance(lora_adapter, str):
+            names = [lora_adapter] * len(requests)
         else:
             names = list(lora_adapter)
             if len(names) != len(requests):

@@ -33,7 +33,9 @@ class _RequestsMixin(_GeneratorState):
         """Serve ``requests`` (concurrently, bounded per server); results in request order.
 
         ``lora_adapter``: the loaded LoRA adapter to run every request with, or one name (or
-        ``None`` for the base model) per request; ``None``: ``default_lora_adapter``.
+        ``None`` for the base model) per request; ``None``: each request's own ``adapter``
+        (multi-LoRA), else ``default_lora_adapter``. An adapter name given by a weight update
+        resolves to its current version (``task`` -> ``task-v7``).
         """
         if self._closed:
             raise GenerationError("SGLangGenerator.generate: the generator is closed.")

@@ -102,6 +102,7 @@ async def start(trainer: Trainer) -> bool:
     trainer.adapter_sync = lora.use_adapter_sync(
         cfg.rl.lora_sync, trainer.policy, trainer.generator, ray=runtime is not None
     )
+    lora.check_multi(cfg.rollout.adapter_key, trainer.policy, trainer.adapter_sync)
     trainer.teacher = build_teacher(cfg, runtime, temperature=sampling["temperature"])
     if cfg.critic is not None:
         trainer.critic = build_critic(cfg, runtime, start_path)

@@ -495,7 +495,11 @@ class PolicyConformance(ConformanceSuite):
         )
         before = {n: t.detach().cpu().clone() for n, t in policy.named_adapter_weights()}
         assert before, "named_adapter_weights yielded nothing"
-        for name, tensor in before.items():
+        for full, tensor in before.items():
+            name = full
+            if lora.adapters:  # multi-LoRA: "<adapter>/<peft name>" (adapter_tensor_name)
+                adapter, _, name = full.partition("/")
+                assert adapter in lora.adapter_names, full
             module, which = module_of(name)
             assert name.startswith("base_model.model."), name
             assert lora.targets(module), f"{name}: not a target of policy.lora"
