@@ -11,6 +11,8 @@ memory) for full logits, a ratio of 0.59 — chunking saved the whole ~38 GB of 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,8 @@ def test_chunked_logprob_memory_on_gpu(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH), "--device", "cuda", "--layers", "30"]
     cmd += ["--activation-checkpointing", "--out", str(out)]
     subprocess.run(cmd, check=True, timeout=1200)
+    if os.environ.get("RL_GPU_RESULTS"):  # keep the measured JSON (e.g. for the results table)
+        shutil.copy(out, Path(os.environ["RL_GPU_RESULTS"]) / "memory_cuda.json")
     rows = {r["tokens"]: r for r in json.loads(out.read_text())["rows"]}
     assert all("chunked_bytes" in r and "unchunked_bytes" in r for r in rows.values()), rows
     assert not rows[32768].get("unchunked_extrapolated")

@@ -237,3 +237,33 @@ def test_routing_replay_with_lora_on_a_moe_model(tmp_path: Path) -> None:
     assert not torch.allclose(base.logprobs, replayed.logprobs)
     metrics = policy.train_step(dataclasses.replace(batch, routed_experts=other_TLK), sft_loss)
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@pytest.mark.gpu
+def test_lora_on_cuda_matches_cpu_and_offload_frees_the_adapter_state(qwen_dir: Path) -> None:
+    """GPU only: a LoRA policy on CUDA gives the CPU policy's log-probs and step (fp32, same
+    seed), and offload() frees its device memory down to what must stay, back bitwise."""
+    cpu, gpu = _policy(qwen_dir), _policy(qwen_dir, device="cuda")
+    batch = random_batch(cpu.model_shape.vocab_size, [9, 5, 7], seed=4)
+    torch.testing.assert_close(
+        gpu.compute_logprobs(batch).logprobs.cpu(),
+        cpu.compute_logprobs(batch).logprobs,
+        atol=1e-4,
+        rtol=0,
+    )
+    cpu.train_step(batch, sft_loss)
+    gpu.train_step(batch, sft_loss)
+    mine = {n: t.cpu() for n, t in gpu.named_adapter_weights()}
+    for name, tensor in cpu.named_adapter_weights():
+        torch.testing.assert_close(mine[name], tensor, atol=1e-4, rtol=0)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gpu.offload()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    assert after < before / 4, (before, after)
+    gpu.onload()
+    assert {n: t.cpu() for n, t in gpu.named_adapter_weights()}.keys() == mine.keys()
+    for name, tensor in gpu.named_adapter_weights():
+        assert torch.equal(tensor.cpu(), mine[name]), name
+    gpu.train_step(batch, sft_loss)  # training goes on after the round trip

@@ -226,3 +226,23 @@ def test_multi_lora_is_refused_by_name() -> None:
     """Several adapters (``policy.lora.adapters``) run on HFPolicy only."""
     with pytest.raises(ConfigError, match=r"policy.lora.adapters: .*policy.type: hf"):
         MegatronPolicy.Config(model_path="unused", lora=LoRAConfig(adapters=("a", "b")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_lora_on_cuda_matches_peft(
+    model_dirs: dict[str, Path], adapters: dict, dtype: str, atol: float
+) -> None:
+    """GPU only: Megatron LoRA on CUDA (fp32 and bf16 parameters) gives transformers + peft's
+    log-probs (fp32 on CPU), and a step moves the adapter only (base log-probs unchanged)."""
+    path = model_dirs["qwen2"]
+    policy = _lora_policy(path, adapters["qwen2"], lr=LR, dtype=dtype)
+    batch = random_batch(policy.model_shape.vocab_size, [9, 5], seed=5)
+    with torch.no_grad():
+        expected = R.logprobs(R.peft_model(path, adapters["qwen2"]), batch)
+    got = policy.compute_logprobs(batch).logprobs.float().cpu()
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    base = policy.compute_base_logprobs(batch).logprobs.float().cpu()
+    policy.train_step(batch, sft_loss)
+    assert torch.equal(policy.compute_base_logprobs(batch).logprobs.float().cpu(), base)
+    assert not torch.equal(policy.compute_logprobs(batch).logprobs.float().cpu(), got)
