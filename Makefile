@@ -39,7 +39,7 @@ demo: setup
 
 test: setup sglang-env real-model
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Every `gpu`-marked test, on a machine with CUDA; without CUDA one line and exit 0. No .venv is
 # needed: `make test-gpu PYTHON_GPU=python3` uses that interpreter, wheels carried in .whl/
