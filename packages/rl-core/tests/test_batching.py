@@ -99,3 +99,27 @@ def test_data_parallel_shards_cover_the_batch_with_their_own_micro_batches():
         dataclasses.replace(batch, dp_bounds=(0, 4, 5))  # 4 is not a micro-batch bound
     with pytest.raises(IndexError):
         dataclasses.replace(batch, dp_bounds=()).shard(1)
+
+
+def test_scatter_response_matches_the_per_rollout_layout():
+    """The vectorised scatter equals zeros at the prompt then the values, rollout by rollout,
+    for sequences, tensors (any dtype) and a mix, bitwise; a wrong length names the rollout."""
+    from rl_core.batching import scatter_response
+
+    g = torch.Generator().manual_seed(0)
+    rs = [
+        _rollout(f"r{i}", [1] * int(p), [2] * int(n))
+        for i, (p, n) in enumerate(torch.randint(0, 6, (12, 2), generator=g).tolist())
+    ]
+    vals = [torch.randn(r.response_length, generator=g, dtype=torch.float64) for r in rs]
+    want = torch.cat(
+        [torch.cat([torch.zeros(r.response_start), v.float()]) for r, v in zip(rs, vals)]
+    )
+    assert torch.equal(scatter_response(rs, vals), want)
+    assert torch.equal(scatter_response(rs, [v.tolist() for v in vals]), want)
+    mixed = [v if i % 2 else v.tolist() for i, v in enumerate(vals)]
+    assert torch.equal(scatter_response(rs, mixed), want)
+    assert scatter_response([], []).shape == (0,)
+    bad = [*vals[:-1], [*vals[-1].tolist(), 1.0]]
+    with pytest.raises(ValueError, match="r11"):
+        scatter_response(rs, bad)
