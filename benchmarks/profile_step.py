@@ -142,7 +142,16 @@ def _sft(work: Path) -> Path:
     return model
 
 
-def run_case(work: Path, setting: str, mode: str, warmup: int, steps: int, profile: bool) -> dict:
+def run_case(
+    work: Path,
+    setting: str,
+    mode: str,
+    warmup: int,
+    steps: int,
+    profile: bool,
+    *,
+    instrument: bool = True,
+) -> dict:
     """One setting and mode: timers per step over the measured steps, and the op table."""
     import torch
     from _e2e_worker import _recipe
@@ -184,6 +193,8 @@ def run_case(work: Path, setting: str, mode: str, warmup: int, steps: int, profi
 
         shutil.rmtree(run_dir)
     T = Timers()
+    if not instrument:  # under py-spy: only the step clock, no wrappers in the stacks
+        T.wrap = lambda *a, **k: None  # type: ignore[method-assign]
     records: list[dict[str, Any]] = []
     op_table: list[dict[str, Any]] = []
     prof_state: dict[str, Any] = {}
@@ -376,26 +387,41 @@ KEY_FRAMES = (
 )
 
 
+RL_ROOTS = frozenset({"rl_step", "_run_batch", "train"})
+
+
 def summarize_speedscope(path: Path) -> dict[str, Any]:
-    """Per thread: samples, the top self frames and the inclusive share of the key frames."""
+    """Per thread: samples, the top self frames and the inclusive share of the key frames,
+    over the samples of the RL phase only (stacks under ``rl_step`` or the generator's
+    ``_run_batch``; the imports, the SFT check and the step-0 eval outside it are left out)."""
     data = json.loads(path.read_text())
     frames = data["shared"]["frames"]
+    for f in frames:  # "HFGenerator._prefill" -> "_prefill"
+        f["short"] = f["name"].rsplit(".", 1)[-1]
     out: dict[str, Any] = {}
     for prof in data["profiles"]:
         samples, weights = prof["samples"], prof.get("weights") or [1] * len(prof["samples"])
-        total = float(sum(weights)) or 1.0
+        total = float(
+            sum(
+                w
+                for st, w in zip(samples, weights, strict=False)
+                if {frames[i]["short"] for i in st} & RL_ROOTS
+            )
+        )
+        if total == 0:
+            continue
         self_w: dict[str, float] = defaultdict(float)
         incl: dict[str, float] = defaultdict(float)
         for stack, w in zip(samples, weights, strict=False):
-            if not stack:
+            names = {frames[i]["short"] for i in stack}
+            if not stack or not names & RL_ROOTS:
                 continue
             leaf = frames[stack[-1]]
             self_w[f"{leaf['name']} ({Path(leaf.get('file', '')).name}:{leaf.get('line', 0)})"] += w
-            seen = {frames[i]["name"] for i in stack}
-            for name in seen & set(KEY_FRAMES):
+            for name in names & set(KEY_FRAMES):
                 incl[name] += w
         out[prof["name"]] = {
-            "samples": int(total),
+            "seconds": total,
             "top_self": [
                 {"frame": k, "share": v / total}
                 for k, v in sorted(self_w.items(), key=lambda kv: -kv[1])[:15]
@@ -428,7 +454,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if args.case_out:  # one case, for py-spy: no torch profiler
         (setting, mode) = args.settings, args.modes
-        res = run_case(work, setting, mode, args.warmup, args.steps, profile=False)
+        res = run_case(
+            work, setting, mode, args.warmup, args.steps, profile=False, instrument=False
+        )
         Path(args.case_out).write_text(json.dumps(res))
         return
     _sft(work)
