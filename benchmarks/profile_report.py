@@ -117,12 +117,16 @@ def ops_table(data: dict[str, Any], setting: str, mode: str = "sync", n: int = 1
 
 def pyspy_table(data: dict[str, Any], case: str, n: int = 8) -> str:
     """Top self frames per busy thread of one py-spy case."""
-    lines = ["| thread | frame (self) | share of thread |", "|---|---|---|"]
+    lines = ["| thread | frame | self share | inclusive share |", "|---|---|---|---|"]
     for thread, t in data.get("py_spy", {}).get(case, {}).items():
-        if t["samples"] == 0 and not t["inclusive_share"]:
+        if not t["inclusive_share"]:
             continue
+        name = thread.split(" ", 2)[-1]
+        for key, share in t["inclusive_share"].items():
+            if share >= 0.01:
+                lines.append(f"| {name} | `{key}` (inclusive) |  | {share:.0%} |")
         for f in t["top_self"][:n]:
-            lines.append(f"| {thread.split(' ', 2)[-1]} | `{f['frame']}` | {f['share']:.0%} |")
+            lines.append(f"| {name} | `{f['frame']}` | {f['share']:.0%} |  |")
     return "\n".join(lines)
 
 

@@ -47,11 +47,11 @@ def scatter_response(
     else:
         flat_R = torch.tensor(flat, dtype=torch.float32)
     out_T = torch.zeros(sum(len(r.tokens) for r in rollouts), dtype=torch.float32)
-    out_T[response_mask(rollouts)] = flat_R
+    out_T[_response_mask(rollouts)] = flat_R
     return out_T
 
 
-def response_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:
+def _response_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:
     """``[T]`` bool, True at the response positions of the rollouts packed in order."""
     lengths_N = torch.tensor([len(r.tokens) for r in rollouts], dtype=torch.int64)
     starts_N = torch.tensor([r.response_start for r in rollouts], dtype=torch.int64)

@@ -118,10 +118,8 @@ class HFPolicy(OffloadMixin, Policy):
         the base model's log-probs, and checkpoints hold the adapter alone. ``None``: full
         fine-tuning."""
         adamw_impl: Literal["foreach", "fused", "for_loop"] = "foreach"
-        """AdamW implementation: ``"foreach"`` (one multi-tensor kernel per op over all
-        parameters; bitwise equal to ``"for_loop"``, and faster on CPU, where torch's default is
-        the for-loop), ``"fused"`` (one fused kernel: fastest, equal within float rounding, as
-        TRL's default ``adamw_torch_fused``) or ``"for_loop"`` (one op per parameter)."""
+        """AdamW kernels: ``"foreach"`` (multi-tensor; bitwise ``"for_loop"``, torch's CPU
+        default, and faster), ``"fused"`` (fastest, equal within float rounding; TRL's default)."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -213,14 +211,18 @@ class HFPolicy(OffloadMixin, Policy):
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
-            foreach=config.adamw_impl == "foreach",
-            fused=config.adamw_impl == "fused" or None,
+            **self._adamw_impl(),
         )
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
         )
+
+    def _adamw_impl(self) -> dict[str, Any]:
+        """``foreach`` / ``fused`` of ``torch.optim.AdamW`` for ``config.adamw_impl``."""
+        impl = self.config.adamw_impl
+        return {"foreach": impl == "foreach", "fused": impl == "fused" or None}
 
     def _uses_hidden_path(self) -> bool:
         """Log-probs come from hidden states + the LM head (chunked or position-selected)."""
@@ -813,9 +815,6 @@ class HFPolicy(OffloadMixin, Policy):
         if with_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            for (
-                group
-            ) in self.optimizer.param_groups:  # the configured implementation, not the saved one
-                group["foreach"] = self.config.adamw_impl == "foreach"
-                group["fused"] = self.config.adamw_impl == "fused" or None
+            for group in self.optimizer.param_groups:  # the configured AdamW, not the saved one
+                group.update(self._adamw_impl())
         self._version = int(state["version"])
