@@ -53,3 +53,13 @@ def test_resume_uses_the_configured_implementation(model_dir: Path, tmp_path: Pa
 def test_unknown_implementation_names_the_field(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="policy.adamw_impl"):
         HFPolicy.Config(model_path=str(model_dir), adamw_impl="apex")  # type: ignore[arg-type]
+
+
+def test_compile_model_compiles_only_the_forward(model_dir: Path) -> None:
+    """``compile_model`` wraps the instance's forward in ``torch.compile`` (nothing runs until
+    the first step, whose timing docs/performance.md reports); off by default."""
+    eager = HFPolicy(HFPolicy.Config(model_path=str(model_dir)))
+    compiled = HFPolicy(HFPolicy.Config(model_path=str(model_dir), compile_model=True))
+    assert not hasattr(eager.model.forward, "_torchdynamo_orig_callable")
+    assert hasattr(compiled.model.forward, "_torchdynamo_orig_callable")
+    assert [n for n, _ in compiled.named_weights()] == [n for n, _ in eager.named_weights()]
