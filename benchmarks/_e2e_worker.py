@@ -198,10 +198,16 @@ class HeldOutEval:
         self.prompts = src.next_prompts(len(src))
         self.scorer = Scorer(ReverseTask(ReverseTask.Config()), self.tokenizer)
         self.seed = settings["seed"]
+        # As Trainer.evaluate: greedy, other fields from the run's rollout sampling.
+        from rl_trainer.config import EvalConfig, SamplingConfig
+
+        train = SamplingConfig(
+            temperature=settings["temperature"], max_new_tokens=settings["max_new_tokens"]
+        )
+        self.sampling = EvalConfig().sampling.resolve(train).to_params()
 
     def __call__(self, named_weights: Any, step: int) -> dict[str, float]:
         """Load ``named_weights`` and score greedy answers to every held-out prompt."""
-        from rl_trainer.config import EvalConfig
         from rl_trainer.rollout import RolloutStats, generate_groups
 
         self.generator.load_weights(named_weights, version=step)
@@ -211,7 +217,7 @@ class HeldOutEval:
                 self.prompts,
                 generator=self.generator,
                 tokenizer=self.tokenizer,
-                sampling=EvalConfig().sampling.to_params(),  # as Trainer.evaluate: greedy
+                sampling=self.sampling,
                 n_samples=1,
                 seed_parts=(self.seed, "eval", step),
                 policy_version=step,

@@ -116,3 +116,27 @@ def test_rollout_adapters_follow_their_sequences() -> None:
     assert [mb.adapters for mb in batch.micro_batches()] == [("a",), (None,), ("b", "a")]
     assert batch.shard(1).adapters == ("b", "a")
     assert pack_rollouts(rs[1:2]).adapters == ()  # untagged: the default for every sequence
+
+
+def test_scatter_response_matches_the_per_rollout_layout():
+    """The vectorised scatter equals zeros at the prompt then the values, rollout by rollout,
+    for sequences, tensors (any dtype) and a mix, bitwise; a wrong length names the rollout."""
+    from rl_core.batching import scatter_response
+
+    g = torch.Generator().manual_seed(0)
+    rs = [
+        _rollout(f"r{i}", [1] * int(p), [2] * int(n))
+        for i, (p, n) in enumerate(torch.randint(0, 6, (12, 2), generator=g).tolist())
+    ]
+    vals = [torch.randn(r.response_length, generator=g, dtype=torch.float64) for r in rs]
+    want = torch.cat(
+        [torch.cat([torch.zeros(r.response_start), v.float()]) for r, v in zip(rs, vals)]
+    )
+    assert torch.equal(scatter_response(rs, vals), want)
+    assert torch.equal(scatter_response(rs, [v.tolist() for v in vals]), want)
+    mixed = [v if i % 2 else v.tolist() for i, v in enumerate(vals)]
+    assert torch.equal(scatter_response(rs, mixed), want)
+    assert scatter_response([], []).shape == (0,)
+    bad = [*vals[:-1], [*vals[-1].tolist(), 1.0]]
+    with pytest.raises(ValueError, match="r11"):
+        scatter_response(rs, bad)

@@ -23,17 +23,42 @@ def scatter_response(
 ) -> torch.Tensor:
     """Place per-response values ``[R_i]`` of each rollout at its response positions of the
     packed ``[T]`` layout (zeros at prompt positions)."""
-    parts = []
+    flat: list[float] = []
+    tensors: list[torch.Tensor] = []
     for r, v in zip(rollouts, values, strict=True):
-        v_R = torch.as_tensor(v, dtype=torch.float32)
-        if v_R.shape != (r.response_length,):
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else (len(v),)
+        if shape != (r.response_length,):
             raise ValueError(
-                f"Rollout {r.sample_id}: {tuple(v_R.shape)} values for a response of "
+                f"Rollout {r.sample_id}: {shape} values for a response of "
                 f"{r.response_length} tokens."
             )
-        parts.append(torch.zeros(r.response_start, dtype=torch.float32))
-        parts.append(v_R)
-    return torch.cat(parts) if parts else torch.zeros(0)
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+        else:
+            flat.extend(v)
+    if not rollouts:
+        return torch.zeros(0)
+    # One tensor for all values and one masked write (no per-rollout tensors: this runs a
+    # few times per step over every rollout).
+    if tensors and flat:  # mixed tensors and sequences: keep each rollout's own values
+        flat_R = torch.cat([torch.as_tensor(v, dtype=torch.float32) for v in values])
+    elif tensors:
+        flat_R = torch.cat(tensors).to(torch.float32)
+    else:
+        flat_R = torch.tensor(flat, dtype=torch.float32)
+    out_T = torch.zeros(sum(len(r.tokens) for r in rollouts), dtype=torch.float32)
+    out_T[_response_mask(rollouts)] = flat_R
+    return out_T
+
+
+def _response_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """``[T]`` bool, True at the response positions of the rollouts packed in order."""
+    lengths_N = torch.tensor([len(r.tokens) for r in rollouts], dtype=torch.int64)
+    starts_N = torch.tensor([r.response_start for r in rollouts], dtype=torch.int64)
+    seq_T = torch.repeat_interleave(torch.arange(len(rollouts)), lengths_N)
+    first_N = torch.cumsum(lengths_N, 0) - lengths_N
+    pos_T = torch.arange(int(lengths_N.sum())) - first_N[seq_T]
+    return pos_T >= starts_N[seq_T]
 
 
 def gather_response(rollouts: Sequence[Rollout], x_T: torch.Tensor) -> list[torch.Tensor]:
@@ -73,16 +98,9 @@ def pack_rollouts(
     cu_N1[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
     tokens_T = torch.tensor([t for r in rollouts for t in r.tokens], dtype=torch.int64)
     mask_T = scatter_response(rollouts, [r.loss_mask for r in rollouts])
-    versions_T = torch.cat(
-        [
-            torch.cat(
-                [
-                    torch.full((r.response_start,), -1, dtype=torch.int64),
-                    torch.tensor(r.versions, dtype=torch.int64),
-                ]
-            )
-            for r in rollouts
-        ]
+    versions_T = torch.tensor(
+        [v for r in rollouts for v in ((-1,) * r.response_start + tuple(r.versions))],
+        dtype=torch.int64,
     )
     # The first token of a sequence has no log-prob: never train on it.
     mask_T[cu_N1[:-1]] = 0.0

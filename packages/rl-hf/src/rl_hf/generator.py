@@ -810,7 +810,12 @@ def _emit(
     stop_l = stop_A.tolist()
     hit_l = hit_A.tolist() if hit_A is not None else None
     rows_l = st["row"].tolist()
-    for a in a_rows:
+    # Tokens and log-probs of the ended rows to Python in one conversion each.
+    ids_l = st["ids"][a_rows, :n].tolist()
+    lp_l = st["lp"][a_rows, :n].tolist()
+    # One wake-up per caller's event loop for all rows ending now (not one per row).
+    done: dict[asyncio.AbstractEventLoop, list[tuple[Any, GenerationResult]]] = {}
+    for i, a in enumerate(a_rows):
         if stop_l[a]:
             reason = FinishReason.STOP
         elif hit_l is not None and hit_l[a]:
@@ -825,13 +830,15 @@ def _emit(
             routed = pad_routing(torch.cat([prompt_PLK, st["route"][a, : n - 1]]), P + n).clone()
         res = GenerationResult(
             request_id=p.request.request_id,
-            output_ids=tuple(st["ids"][a, :n].tolist()),
-            output_logprobs=tuple(st["lp"][a, :n].tolist()),
+            output_ids=tuple(ids_l[i]),
+            output_logprobs=tuple(lp_l[i]),
             finish_reason=reason,
             weight_version=version,
             routed_experts=routed,
         )
-        _post(p.loop, _resolve, p.future, res)
+        done.setdefault(p.loop, []).append((p.future, res))
+    for loop, results in done.items():
+        _post(loop, _resolve_all, results)
 
 
 def _sample_rows(
@@ -878,6 +885,11 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
 def _resolve(fut: asyncio.Future[GenerationResult], res: GenerationResult) -> None:
     if not fut.done():
         fut.set_result(res)
+
+
+def _resolve_all(results: list[tuple[asyncio.Future[GenerationResult], GenerationResult]]) -> None:
+    for fut, res in results:
+        _resolve(fut, res)
 
 
 def _fail(fut: asyncio.Future[GenerationResult], err: BaseException) -> None:

@@ -59,7 +59,7 @@ async def run(trainer: Trainer) -> bool:
             if eval_due:
                 rec["perf/sync_time"] = await stages.sync_weights(trainer)
         if eval_due:
-            rec.update(await evaluation.evaluate(trainer, step))
+            rec.update(await trainer.evaluate(step))
         trainer.emit(rec)
         saved = trainer.checkpoint_due()
         if saved:
@@ -115,7 +115,7 @@ async def start(trainer: Trainer) -> bool:
         await stages.sync_weights(trainer)
     saved = False
     if not trainer.state["eval_at_0"]:
-        rec = {"step": 0, "phase": "rl", **await evaluation.evaluate(trainer, 0)}
+        rec = {"step": 0, "phase": "rl", **await trainer.evaluate(0)}
         trainer.state["eval_at_0"] = True
         trainer.emit(rec)
         saved = cfg.sft.steps > 0 and trainer.checkpoint_due()  # the warm-up's last step was due
