@@ -142,9 +142,10 @@ def run_replay(
 
 
 class _FixedVersion:
-    """The policy stand-in of a rollout-only run: its version never changes."""
+    """The policy stand-in of a rollout-only run: its version never changes, no adapters."""
 
     version = 0
+    lora = None
 
 
 def run_rollout_only(recipe: str | Path, overrides: Sequence[str]) -> list[dict[str, Any]]:
