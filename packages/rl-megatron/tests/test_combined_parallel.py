@@ -17,18 +17,17 @@ checkpoint reloaded at world 1.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_core.testing.modules import load_module
 from rl_core.testing.policy import sft_loss
 from rl_hf import HFPolicy
 
@@ -37,20 +36,8 @@ TIMEOUT_S_PER_RANK = 225.0
 """A launch is killed after this many seconds per rank (900 s at 4 ranks, 1800 s at 8)."""
 
 
-def _load_worker() -> ModuleType:
-    """``_combined_worker`` as a module (the layouts, batches and losses the ranks use)."""
-    name = "_rl_megatron_tests_combined_worker"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while building Scenario
-    spec.loader.exec_module(module)
-    return module
-
-
-W = _load_worker()
+W = load_module("_rl_megatron_tests_combined_worker", WORKER)
+"""``_combined_worker``: the layouts, batches and losses the ranks use."""
 WORLD_OF = {key: world for world, layouts in W.LAUNCHES.items() for key in layouts}
 """Scenario name -> world size of the launch that runs it."""
 SCENARIO = {key: s for layouts in W.LAUNCHES.values() for key, s in layouts.items()}

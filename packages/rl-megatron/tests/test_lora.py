@@ -3,16 +3,14 @@ log-probs, step and adapter tensors as transformers + peft on the same weights a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from rl_core.errors import CheckpointError, ConfigError
 from rl_core.lora import LoRAConfig
+from rl_core.testing.modules import load_module
 from rl_core.testing.policy import PolicyConformance, random_batch, sft_loss
 from rl_megatron.critic import MegatronCritic
 from rl_megatron.policy import MegatronPolicy
@@ -20,18 +18,7 @@ from rl_megatron.policy import MegatronPolicy
 LR = 1e-3
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-R = _load("_rl_megatron_tests_lora_reference", Path(__file__).with_name("_lora_reference.py"))
+R = load_module("_rl_megatron_tests_lora_reference", Path(__file__).with_name("_lora_reference.py"))
 ALPHA, RANK, TARGETS = R.ALPHA, R.RANK, R.TARGETS
 
 
@@ -146,7 +133,9 @@ def test_lora_refuses_bad_settings(model_dirs: dict[str, Path], tmp_path: Path) 
     adapter = R.make_peft_adapter(path, tmp_path / "qv", targets=["q_proj", "v_proj"])
     with pytest.raises(ConfigError, match="rank/scaling/targets"):
         _lora_policy(path, adapter)
-    moe = _load("_rl_megatron_tests_moe_reference", Path(__file__).with_name("_moe_reference.py"))
+    moe = load_module(
+        "_rl_megatron_tests_moe_reference", Path(__file__).with_name("_moe_reference.py")
+    )
     moe_dir = moe.build_qwen3_moe_model(tmp_path / "moe")
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         MegatronPolicy(MegatronPolicy.Config(model_path=str(moe_dir), lora=LoRAConfig()))

@@ -7,15 +7,15 @@ results with the peft reference computed in this process (``_lora_reference.py``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+
+from rl_core.testing.modules import load_module
 
 WORKER = Path(__file__).with_name("_lora_worker.py")
 LENGTHS = [5, 8, 3, 6, 4, 7]
@@ -23,19 +23,8 @@ LR = 1e-3
 CASES = ["tp2_qwen2", "tp2_qwen3", "pp2_qwen2", "pp2_llama", "dp2_qwen2_distopt"]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-R = _load("_rl_megatron_tests_lora_reference", Path(__file__).with_name("_lora_reference.py"))
-W = _load("_rl_megatron_tests_lora_worker", WORKER)
+R = load_module("_rl_megatron_tests_lora_reference", Path(__file__).with_name("_lora_reference.py"))
+W = load_module("_rl_megatron_tests_lora_worker", WORKER)
 
 
 @pytest.fixture(scope="module")

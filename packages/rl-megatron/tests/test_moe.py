@@ -4,33 +4,20 @@ load-balancing loss and the errors. The multi-process layouts are in test_moe_pa
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 from rl_core.errors import ConfigError
+from rl_core.testing.modules import load_module
 from rl_core.testing.policy import random_batch, sft_loss
 
 HERE = Path(__file__).parent
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-R = _load("_rl_megatron_tests_moe_reference", HERE / "_moe_reference.py")
+R = load_module("_rl_megatron_tests_moe_reference", HERE / "_moe_reference.py")
 
 
 @pytest.fixture(scope="module")

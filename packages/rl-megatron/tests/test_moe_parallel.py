@@ -10,17 +10,16 @@ forced to the replayed experts where the policy replayed them (``_moe_reference`
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_core.testing.modules import load_module
 from rl_core.testing.policy import sft_loss
 from rl_hf import HFPolicy
 
@@ -28,19 +27,8 @@ HERE = Path(__file__).parent
 WORKER = HERE / "_moe_worker.py"
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-W = _load("_rl_megatron_tests_moe_worker", WORKER)
-R = _load("_rl_megatron_tests_moe_reference", HERE / "_moe_reference.py")
+W = load_module("_rl_megatron_tests_moe_worker", WORKER)
+R = load_module("_rl_megatron_tests_moe_reference", HERE / "_moe_reference.py")
 KEYS = list(W.SCENARIOS)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "InMemoryTransport",
     "PolicyConformance",
     "WeightTransportConformance",
+    "load_module",
 ]
 
 _LAZY = {
@@ -45,6 +46,7 @@ _LAZY = {
     "FakeDataSource": "rl_core.testing.data_source",
     "WeightTransportConformance": "rl_core.testing.weight_transport",
     "DictTarget": "rl_core.testing.weight_transport",
+    "load_module": "rl_core.testing.modules",
 }
 
 
