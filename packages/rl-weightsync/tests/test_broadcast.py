@@ -239,3 +239,23 @@ def test_serve_dtype_casts_floating_tensors_only() -> None:
             t.close()
     with pytest.raises(WeightSyncError, match="serve_dtype"):
         BroadcastTransport(BroadcastTransport.Config(rank=0, world_size=2, serve_dtype="fp7"))
+
+
+def test_published_header_is_visible_to_another_connection_at_once() -> None:
+    """``publish`` returns only once the server stored the header: TCPStore's ``set`` does not
+    wait for it, and a receiver on its own connection that looked first called the version never
+    published (a CI flake, ~0.2% per publish before the fix; 1500 publishes here)."""
+    sender, receiver = connected_pair()
+    try:
+        receiver._connect_store()
+        store = receiver._store
+        weights = {"w": torch.zeros(4)}
+        missing = [
+            v
+            for v in range(1, 1501)
+            if sender.publish(v, weights.items()) and not store.check([f"header/{v}"])
+        ]
+        assert missing == []
+    finally:
+        sender.close()
+        receiver.close()

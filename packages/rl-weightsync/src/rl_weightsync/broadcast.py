@@ -256,6 +256,10 @@ class BroadcastTransport(WeightTransport):
         self._connect_store()
         assert self._store is not None
         self._store.set(f"header/{version}", json.dumps(header))
+        # TCPStore's set does not wait for the server; a check on the same connection does, so
+        # the header is stored before the update is returned (a receiver on another connection
+        # could otherwise look for it first and call the version never published).
+        self._store.check([f"header/{version}"])
         with self._cv:
             for old in [v for v in self._pending if v < version and v not in self._pinned]:
                 _, obufs, okey = self._pending.pop(old)
