@@ -28,11 +28,16 @@ curve, process CPU seconds and peak RSS (``wait4`` of the process).
 
 Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/e2e.py          # 100 steps x 3 seeds, ~25 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/e2e.py          # demo setting, 100 steps x 3 seeds
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/e2e.py --setting small   # 8 prompts, 8 new tokens
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/e2e.py --smoke  # 3 steps, 1 seed, ~1 min
     ... --systems ours_sync,ours_async,trl,ours_ray                 # plus the Ray runtime row
 
-Prints a table and writes ``benchmarks/results/e2e.json`` (``--smoke`` writes nothing).
+Prints a table and writes ``benchmarks/results/e2e.json`` (``--smoke`` writes nothing): one entry
+per setting under ``settings`` (a run replaces its own setting and keeps the others), each with
+its config, the load average before and after, per system the summary (samples/s, CPU-seconds
+per sample, step-phase times, ``speedup_vs_trl``) and the runs, and the issue-22 bars
+(``bars``: needed and measured speed-up, met or not).
 """
 
 from __future__ import annotations
@@ -53,6 +58,14 @@ RESULTS = HERE / "results" / "e2e.json"
 WORKER = HERE / "_e2e_worker.py"
 OUR_PACKAGES = ("packages/rl-core", "packages/rl-buffer", "packages/rl-hf", "apps/trainer")
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0", "accelerate", "datasets")
+
+
+# Named settings of issue 22 and their bars (x TRL's samples/s): the embedded demo's batch and
+# a small one where per-step overhead weighs more.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "demo": {"prompts": 32, "max_new_tokens": 12, "bars": {"ours_sync": 2.5, "ours_async": 3.0}},
+    "small": {"prompts": 8, "max_new_tokens": 8, "bars": {"ours_sync": 1.6, "ours_async": 2.0}},
+}
 
 
 def bench_home() -> Path:
@@ -148,6 +161,7 @@ def summarize(runs: list[dict[str, Any]], target: float, *, one_process: bool) -
     return {
         "seeds": len(runs),
         "samples_per_s": samples / train_s if train_s > 0 else float("nan"),
+        "cpu_s_per_sample": cpu_s / samples if cpu_s > 0 and samples else None,
         "tokens_per_s": sum(r["response_tokens"] for r in runs) / train_s
         if train_s > 0
         else float("nan"),
@@ -242,16 +256,48 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
     )
 
 
+def add_speedups(results: dict[str, dict[str, Any]]) -> None:
+    """``speedup_vs_trl`` in every system's summary: its samples/s and samples per CPU-second
+    over TRL's (``None`` where TRL did not run or a figure is missing)."""
+    trl = results.get("trl", {}).get("summary")
+    for res in results.values():
+        s = res["summary"]
+        spc, tspc = s["samples_per_cpu_s"], trl["samples_per_cpu_s"] if trl else None
+        s["speedup_vs_trl"] = {
+            "samples_per_s": s["samples_per_s"] / trl["samples_per_s"] if trl else None,
+            "samples_per_cpu_s": spc / tspc if spc and tspc else None,
+        }
+
+
+def check_bars(setting: str | None, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 22's bars for a named setting: needed and measured speed-up per system."""
+    bars = SETTINGS.get(setting or "", {}).get("bars", {})
+    out = {}
+    for name, need in bars.items():
+        got = (
+            results.get(name, {}).get("summary", {}).get("speedup_vs_trl", {}).get("samples_per_s")
+        )
+        out[name] = {"needed": need, "measured": got, "met": got is not None and got >= need}
+    return out
+
+
 def main() -> None:
     """Run SFT once, then every system for every seed; print the table and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--setting",
+        choices=sorted(SETTINGS),
+        default=None,
+        help="a named setting of issue 22 (sets --prompts and --max-new-tokens; default: demo "
+        "when neither is given)",
+    )
     ap.add_argument("--steps", type=int, default=100, help="RL steps per run")
     ap.add_argument("--seeds", default="1,2,3", help="RL seeds (sampling and data order)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--target", type=float, default=0.45, help="held-out reward to reach")
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32)")
     ap.add_argument("--samples", type=int, default=8, help="group size")
-    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 12")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--sft-steps", type=int, default=30)
@@ -264,6 +310,20 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None, help="default: $RL_BENCH_HOME/e2e")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.setting is None and args.prompts is None and args.max_new_tokens is None:
+        args.setting = "demo"
+    if args.setting is not None:
+        named = SETTINGS[args.setting]
+        for key in ("prompts", "max_new_tokens"):
+            given = getattr(args, key)
+            if given is not None and given != named[key]:
+                raise SystemExit(
+                    f"--{key.replace('_', '-')} {given} contradicts --setting {args.setting} "
+                    f"({named[key]}); drop one of them"
+                )
+            setattr(args, key, named[key])
+    args.prompts = 32 if args.prompts is None else args.prompts
+    args.max_new_tokens = 12 if args.max_new_tokens is None else args.max_new_tokens
     if args.smoke:
         args.steps, args.eval_every, args.sft_steps, args.seeds = 3, 3, 5, "1"
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
@@ -298,6 +358,7 @@ def main() -> None:
         p.write_text(json.dumps({**base, **extra}, indent=2))
         return p
 
+    load_start = os.getloadavg()
     print(f"SFT warm-up ({args.sft_steps} steps) -> {work / 'sft' / 'sft_model'}", flush=True)
     sft = run_worker(
         sys.executable, "sft", settings_file("sft"), work / "sft.json", work / "sft.log"
@@ -324,6 +385,7 @@ def main() -> None:
             )
             res = run_worker(py, mode, st, work / f"{tag}.json", work / f"{tag}.log")
             res["seed"] = seed
+            res["loadavg_after"] = os.getloadavg()
             runs[name].append(res)
             print(
                 f"  {res['samples'] / res['train_s']:.1f} samples/s, final eval reward "
@@ -334,28 +396,45 @@ def main() -> None:
         name: {"summary": summarize(rs, args.target, one_process=name != "ours_ray"), "runs": rs}
         for name, rs in runs.items()
     }
+    add_speedups(results)
+    bars = check_bars(args.setting, results)
     print_table(results, args)
+    for name, bar in bars.items():
+        got = f"{bar['measured']:.2f}x" if bar["measured"] is not None else "not run"
+        verdict = "met" if bar["met"] else "NOT met"
+        print(
+            f"bar ({args.setting}) {LABELS[name]}: >= {bar['needed']}x TRL, measured {got}: {verdict}"
+        )
     if args.smoke:
         print("--smoke: results not written")
         return
-    result = {
-        "benchmark": "e2e",
+    entry = {
         "config": vars(args) | {"model": "qwen2 h128 L2 vocab260 (demo recipe)"},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
+            "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
-            "note": "shared machine: other jobs ran during the measurement",
+            "note": "loadavg_start/_end, and loadavg_after in every run: other jobs on the "
+            "machine show there",
         },
         "sft": {
             "eval_reward": sft["curve"][-1]["reward"],
             "process_total_s": sft["process_total_s"],
         },
+        "bars": bars,
         "systems": results,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    key = args.setting or f"p{args.prompts}_t{args.max_new_tokens}"
+    try:
+        previous = json.loads(out.read_text())
+    except (OSError, ValueError):
+        previous = {}
+    settings = previous.get("settings", {}) if previous.get("benchmark") == "e2e" else {}
+    settings[key] = entry
+    out.write_text(json.dumps({"benchmark": "e2e", "settings": settings}, indent=2) + "\n")
     print(f"wrote {out}")
 
 
