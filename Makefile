@@ -13,7 +13,7 @@ EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test,gguf,
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"
 
-.PHONY: setup sglang-env real-model demo test test-gpu lint format bench clean
+.PHONY: setup sglang-env real-model demo test test-long test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -39,7 +39,12 @@ demo: setup
 
 test: setup sglang-env real-model
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -m "not long" --durations=25
+
+# The `long`-marked runs (backend-specific learning runs and duplicates of shorter tests that
+# `make test` keeps; README, "Test tiers"): ~5 min.
+test-long: setup sglang-env real-model
+	$(BIN)/python -m pytest -q -m long --durations=10
 
 # Every `gpu`-marked test, on a machine with CUDA; without CUDA one line and exit 0. No .venv is
 # needed: `make test-gpu PYTHON_GPU=python3` uses that interpreter, wheels carried in .whl/

@@ -108,7 +108,10 @@ def test_async_kill_and_resume_matches_uninterrupted(tiny_recipe, cli, kill_afte
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_async_demo_learns_with_tis(tmp_path, cli):
+    """Long tier (``make test-long``, ~50 s): in ``make test`` staleness-1 async runs learn in
+    ``test_e2e_ray`` and TIS's weights are checked in ``rl-core``'s loss tests."""
     run_dir = tmp_path / "demo_async"
     proc = cli(
         "run",

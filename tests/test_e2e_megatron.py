@@ -16,7 +16,10 @@ pytest.importorskip("megatron.core")
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_demo_learns_with_megatron_policy(tmp_path, cli):
+    """Long tier (``make test-long``, ~65 s): in ``make test`` Megatron learns in
+    ``test_e2e_ray``'s tensor- and data-parallel runs."""
     run_dir = tmp_path / "demo_megatron"
     proc = cli(
         "run",

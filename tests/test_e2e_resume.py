@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -45,8 +46,12 @@ def test_kill_and_resume_matches_uninterrupted(tiny_recipe, cli, kill_after_chec
     )
 
 
+@pytest.mark.long
 def test_resume_in_sft_phase(tiny_recipe, cli):
-    """A checkpoint taken during the warm-up resumes the warm-up, then RL."""
+    """A checkpoint taken during the warm-up resumes the warm-up, then RL.
+
+    Long tier (~20 s): ``make test`` resumes from an SFT-phase checkpoint exactly in
+    ``test_e2e_stop.py::test_sigint_mid_sft_then_resume_is_exact``."""
     recipe_a, run_a = tiny_recipe("straight", rl_steps=2)
     recipe_b, run_b = tiny_recipe("killed", rl_steps=2)
     for recipe in (recipe_a,):

@@ -26,7 +26,11 @@ def _run_sglang_demo(cli, run_dir, **settings) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_demo_learns_with_sglang_generator(tmp_path, cli):
+    """Long tier (``make test-long``, ~90 s): ``make test`` checks SGLang's log-probs against the
+    trainer's (``test_real_model_parity``) and RL updates reaching a server
+    (``test_e2e_sglang_topology``); this run adds the learning curve."""
     records = _run_sglang_demo(
         cli,
         tmp_path / "sglang_demo",
@@ -54,11 +58,16 @@ def test_demo_learns_with_sglang_generator(tmp_path, cli):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_partial_rollouts_resume_on_sglang_after_weight_updates(tmp_path, cli):
     """Async generation with partial rollouts on a real SGLang server: a weight update released
     while a round generates aborts its requests on the server (partial tokens come back), the
     server loads the new weights, and the rollouts resume on them; tokens carry the version the
-    server reported for them."""
+    server reported for them.
+
+    Long tier (~65 s): ``make test`` checks the server side (abort returns partial tokens,
+    ``rl-sglang``'s ``test_generator.py``) and the trainer side (``test_e2e_async``'s partial
+    rollouts, ``test_e2e_ray``'s across engines)."""
     steps = 12
     records = _run_sglang_demo(
         cli,
