@@ -36,7 +36,7 @@ def _recipe(settings: dict[str, Any], run_dir: Path, **extra: Any) -> dict[str, 
     rec = load_config_file(recipe_path("demo"))
     rec["run_dir"] = str(run_dir)
     rec["seed"] = settings["seed"]
-    rec["threads"] = 1
+    rec["threads"] = settings.get("ours_threads", 1)
     rec["rollout"]["prompts_per_step"] = settings["prompts_per_step"]
     rec["rollout"]["n_samples"] = settings["n_samples"]
     rec["rollout"]["sampling"] = {
