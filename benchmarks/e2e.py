@@ -13,12 +13,15 @@ checkpoint; every system starts RL from it with the same settings:
 
 Systems (each in its own process, one after the other, so they never compete for the cores):
 
-- ``ours sync``: generate, then train, step by step (1 torch thread);
+- ``ours sync``: generate, then train, step by step (``--ours-threads``: once per torch thread
+  count, default 1 and 2, as ``ours_sync_t1``, ``ours_sync_t2``);
 - ``ours async``: ``rl.async_generation=true, rl.max_staleness=1``: generation of step k+1 overlaps
   training of step k (generator and trainer threads, 1 torch thread each, so up to 2 cores);
 - ``TRL``: ``GRPOTrainer`` on CPU (transformers ``generate``), from a separate venv
   (``$RL_BENCH_HOME/trl``, default ``~/.cache/rl-bench/trl``) that this script creates if missing
-  with ``torch==2.13.0`` pinned and our pure-Python packages installed ``--no-deps``;
+  with ``torch==2.13.0`` pinned and our pure-Python packages installed ``--no-deps``; once per
+  ``--trl-threads`` count (default 1 and 2: ``trl_t1``, ``trl_t2``), and every speed-up is
+  taken against the fastest (the issue's "TRL at its best thread count");
 - optional (``--systems ...,ours_ray``): the async loop on the ``ray`` runtime (a local 2-CPU
   cluster, disaggregated policy and generator actors, ``disk_full`` weight transport).
 
@@ -398,7 +401,7 @@ def main() -> None:
         "eps_high": 0.28,
         "sft_steps": args.sft_steps,
         "trl_threads": trl_threads[0],
-        "ours_threads": ours_threads[0],
+        "ours_threads": 1,  # SFT and async; only the sync runs take --ours-threads
         "async": False,
     }
 
@@ -430,6 +433,8 @@ def main() -> None:
                 py, mode = sys.executable, "ours"
                 if name.startswith("ours_sync_t"):
                     extra["ours_threads"] = int(name.removeprefix("ours_sync_t"))
+                elif name == "ours_sync":
+                    extra["ours_threads"] = ours_threads[0]
             st = settings_file(
                 tag,
                 **extra,
