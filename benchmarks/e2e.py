@@ -187,19 +187,25 @@ def summarize(runs: list[dict[str, Any]], target: float, *, one_process: bool) -
     }
 
 
+def split_system(name: str) -> tuple[str, int | None]:
+    """A system and its torch thread count: ``("trl", 2)`` for ``trl_t2``, ``(name, None)`` for
+    a system run once (at the count of its ``--*-threads`` option)."""
+    base, sep, count = name.rpartition("_t")
+    if sep and base in LABELS and count.isdigit():
+        return base, int(count)
+    return name, None
+
+
 def label(name: str) -> str:
     """The table label of a system (``trl_t2``, ``ours_sync_t2``: with 2 torch threads)."""
-    if name.startswith("trl_t"):
-        return f"TRL GRPOTrainer {name.removeprefix('trl_t')}thr"
-    if name.startswith("ours_sync_t"):
-        return f"ours sync {name.removeprefix('ours_sync_t')}thr"
-    return LABELS[name]
+    base, threads = split_system(name)
+    return LABELS[base] if threads is None else f"{LABELS[base]} {threads}thr"
 
 
 def trl_reference(results: dict[str, dict[str, Any]]) -> str | None:
     """The TRL system the speed-ups are taken against: the fastest of its thread counts (the
     issue's "TRL at its best thread count")."""
-    trls = [n for n in results if n == "trl" or n.startswith("trl_t")]
+    trls = [n for n in results if split_system(n)[0] == "trl"]
     return max(trls, key=lambda n: results[n]["summary"]["samples_per_s"], default=None)
 
 
@@ -298,7 +304,7 @@ def check_bars(setting: str | None, results: dict[str, dict[str, Any]]) -> dict[
         # A system run at several thread counts (ours_sync_t1, ours_sync_t2) counts at its best.
         got, by = None, None
         for n, res in results.items():
-            if n == name or n.startswith(f"{name}_t"):
+            if split_system(n)[0] == name:
                 x = res["summary"]["speedup_vs_trl"]["samples_per_s"]
                 if x is not None and (got is None or x > got):
                     got, by = x, n
@@ -373,18 +379,20 @@ def main() -> None:
     for name in systems:
         if name not in LABELS:
             raise SystemExit(f"--systems: unknown {name!r}; choose from {', '.join(LABELS)}")
-    trl_threads = [int(x) for x in str(args.trl_threads).split(",") if x.strip()]
-    if "trl" in systems and len(trl_threads) > 1:
-        at = systems.index("trl")
-        systems[at : at + 1] = [f"trl_t{t}" for t in trl_threads]
-    ours_threads = [int(x) for x in str(args.ours_threads).split(",") if x.strip()]
-    if "ours_sync" in systems and len(ours_threads) > 1:
-        at = systems.index("ours_sync")
-        systems[at : at + 1] = [f"ours_sync_t{t}" for t in ours_threads]
+    threads = {
+        "trl": [int(x) for x in str(args.trl_threads).split(",") if x.strip()],
+        "ours_sync": [int(x) for x in str(args.ours_threads).split(",") if x.strip()],
+    }
+    # A system given several thread counts runs once per count (trl_t1, trl_t2, ...).
+    systems = [
+        f"{name}_t{t}" if len(threads.get(name, [])) > 1 else name
+        for name in systems
+        for t in threads.get(name, [1])
+    ]
 
     work = Path(args.work_dir or bench_home() / ("e2e-smoke" if args.smoke else "e2e")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    any_trl = any(n == "trl" or n.startswith("trl_t") for n in systems)
+    any_trl = any(split_system(n)[0] == "trl" for n in systems)
     trl_python = ensure_trl_venv(bench_home() / "trl") if any_trl else None
 
     base = {
@@ -400,7 +408,7 @@ def main() -> None:
         "eps_low": 0.2,
         "eps_high": 0.28,
         "sft_steps": args.sft_steps,
-        "trl_threads": trl_threads[0],
+        "trl_threads": threads["trl"][0],
         "ours_threads": 1,  # SFT and async; only the sync runs take --ours-threads
         "async": False,
     }
@@ -423,18 +431,16 @@ def main() -> None:
         for name in systems[i % len(systems) :] + systems[: i % len(systems)]:
             tag = f"{name}_s{seed}"
             print(f"running {name} seed {seed} ({args.steps} steps) ...", flush=True)
+            kind, count = split_system(name)
             extra: dict[str, Any] = {}
-            if name == "trl" or name.startswith("trl_t"):
+            if kind == "trl":
                 assert trl_python is not None
                 py, mode = str(trl_python), "trl"
-                if name.startswith("trl_t"):
-                    extra["trl_threads"] = int(name.removeprefix("trl_t"))
+                extra["trl_threads"] = count or threads["trl"][0]
             else:
                 py, mode = sys.executable, "ours"
-                if name.startswith("ours_sync_t"):
-                    extra["ours_threads"] = int(name.removeprefix("ours_sync_t"))
-                elif name == "ours_sync":
-                    extra["ours_threads"] = ours_threads[0]
+                if kind == "ours_sync":
+                    extra["ours_threads"] = count or threads["ours_sync"][0]
             st = settings_file(
                 tag,
                 **extra,
