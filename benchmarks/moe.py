@@ -24,7 +24,6 @@ when it exists (:func:`replay_section`); the section is skipped otherwise.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import sys
 import tempfile
@@ -35,18 +34,11 @@ from typing import Any
 
 import torch
 
+from rl_core.testing.modules import load_module
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "packages" / "rl-megatron" / "tests"
 OUT = ROOT / "benchmarks" / "results" / "moe.json"
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _whole(parts: list[dict[str, Any]], name: str) -> torch.Tensor:
@@ -134,7 +126,7 @@ def replay_section() -> dict[str, Any] | None:
     path = ROOT / "benchmarks" / "moe_replay.py"
     if not path.is_file():
         return None
-    module = _load("_benchmarks_moe_replay", path)
+    module = load_module("_benchmarks_moe_replay", path)
     run = getattr(module, "run", None)
     return run() if callable(run) else None
 
@@ -144,8 +136,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    ref = _load("_rl_megatron_tests_moe_reference", TESTS / "_moe_reference.py")
-    w = _load("_rl_megatron_tests_moe_worker", TESTS / "_moe_worker.py")
+    ref = load_module("_rl_megatron_tests_moe_reference", TESTS / "_moe_reference.py")
+    w = load_module("_rl_megatron_tests_moe_worker", TESTS / "_moe_worker.py")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = ref.build_qwen3_moe_model(Path(tmp) / "qwen3_moe")
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -4,16 +4,15 @@ trainer offers that TRL has is mapped to the TRL loss with the same averaging.""
 
 from __future__ import annotations
 
-import importlib.util
 import typing
 from pathlib import Path
 
+from rl_core.testing.modules import load_module
 from rl_trainer.config import AlgorithmConfig
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "_e2e_worker.py"
-_spec = importlib.util.spec_from_file_location("_e2e_worker", _PATH)
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+worker = load_module(
+    "_e2e_worker", Path(__file__).resolve().parents[1] / "benchmarks" / "_e2e_worker.py"
+)
 
 
 def test_counting_reward_counts_tokens_to_the_stop_token_and_logs_the_mean() -> None:
