@@ -29,7 +29,8 @@ from typing import Any
 
 
 def _recipe(settings: dict[str, Any], run_dir: Path, **extra: Any) -> dict[str, Any]:
-    """The demo recipe with the benchmark's settings (shared by the SFT and ``ours`` modes)."""
+    """The demo recipe with the benchmark's settings (shared by the SFT and ``ours`` modes), then
+    ``settings["recipe_overrides"]`` (``e2e.py --set``) and ``extra`` (dotted keys)."""
     from rl_core.config import load_config_file
     from rl_trainer.cli import recipe_path
 
@@ -51,7 +52,7 @@ def _recipe(settings: dict[str, Any], run_dir: Path, **extra: Any) -> dict[str, 
     rec["eval"] = {"every": settings["eval_every"]}
     rec["checkpoint"] = {"every": 0, "keep": 1}
     rec["logging"] = {"tensorboard": False, "progress": False}
-    for key, value in extra.items():
+    for key, value in {**settings.get("recipe_overrides", {}), **extra}.items():
         node = rec
         *path, last = key.split(".")
         for k in path:

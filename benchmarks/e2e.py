@@ -16,7 +16,8 @@ Systems (each in its own process, one after the other, so they never compete for
 - ``ours sync``: generate, then train, step by step (``--ours-threads``: once per torch thread
   count, default 1 and 2, as ``ours_sync_t1``, ``ours_sync_t2``);
 - ``ours async``: ``rl.async_generation=true, rl.max_staleness=1``: generation of step k+1 overlaps
-  training of step k (generator and trainer threads, 1 torch thread each, so up to 2 cores);
+  training of step k in the generator and trainer threads (up to 2 cores); ``--ours-threads`` is
+  the recipe's ``threads`` (torch threads of each), once per count (``ours_async_t1``, ...);
 - ``TRL``: ``GRPOTrainer`` on CPU (transformers ``generate``), from a separate venv
   (``$RL_BENCH_HOME/trl``, default ``~/.cache/rl-bench/trl``) that this script creates if missing
   with ``torch==2.13.0`` pinned and our pure-Python packages installed ``--no-deps``; once per
@@ -196,6 +197,21 @@ def split_system(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as a ``{dotted.key: value}`` dict (VALUE as JSON if it parses,
+    else the string)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. policy.compile_model=true")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
+
+
 def label(name: str) -> str:
     """The table label of a system (``trl_t2``, ``ours_sync_t2``: with 2 torch threads)."""
     base, threads = split_system(name)
@@ -275,7 +291,7 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         "sensitive to other jobs); t->target\nand @step: median over seeds of the first eval at "
         "or above the target; RSS: peak of the process (n/a on Ray:\nits actors are other "
         "processes).\nasync runs generation and training in "
-        "two threads (up to 2 cores); sync and TRL use one.\nStill different: TRL samples with "
+        "two threads (up to 2 cores); thr: torch threads.\nStill different: TRL samples with "
         "transformers generate (its own RNG), pads instead of packing,\nuses std eps 1e-4 in "
         "the advantage (ours 1e-6) and fused AdamW; async trains on rollouts one version stale."
     )
@@ -350,9 +366,16 @@ def main() -> None:
     ap.add_argument(
         "--ours-threads",
         default="1,2",
-        help="torch threads (`threads`) of our sync run; a comma list runs it once per count "
-        "(ours_sync_t1, ...), the bar counts the fastest. Async always runs 1 thread each in its "
-        "generator and trainer threads",
+        help="torch threads (the recipe's `threads`) of our sync and async runs; a comma list "
+        "runs each once per count (ours_sync_t1, ours_async_t2, ...), the bar counts the fastest",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for our runs (not SFT, not TRL), e.g. policy.compile_model=true; "
+        "VALUE is parsed as JSON when it can be; repeatable",
     )
     ap.add_argument("--smoke", action="store_true", help="3 steps, one seed, nothing written")
     ap.add_argument("--work-dir", default=None, help="default: $RL_BENCH_HOME/e2e")
@@ -383,6 +406,8 @@ def main() -> None:
         "trl": [int(x) for x in str(args.trl_threads).split(",") if x.strip()],
         "ours_sync": [int(x) for x in str(args.ours_threads).split(",") if x.strip()],
     }
+    threads["ours_async"] = threads["ours_sync"]
+    overrides = parse_overrides(args.set)
     # A system given several thread counts runs once per count (trl_t1, trl_t2, ...).
     systems = [
         f"{name}_t{t}" if len(threads.get(name, [])) > 1 else name
@@ -409,7 +434,7 @@ def main() -> None:
         "eps_high": 0.28,
         "sft_steps": args.sft_steps,
         "trl_threads": threads["trl"][0],
-        "ours_threads": 1,  # SFT and async; only the sync runs take --ours-threads
+        "ours_threads": 1,  # SFT; our RL runs take --ours-threads
         "async": False,
     }
 
@@ -439,15 +464,16 @@ def main() -> None:
                 extra["trl_threads"] = count or threads["trl"][0]
             else:
                 py, mode = sys.executable, "ours"
-                if kind == "ours_sync":
-                    extra["ours_threads"] = count or threads["ours_sync"][0]
+                if kind in threads:
+                    extra["ours_threads"] = count or threads[kind][0]
+                extra["recipe_overrides"] = overrides
             st = settings_file(
                 tag,
                 **extra,
                 seed=seed,
                 run_name=tag,
-                ray=name == "ours_ray",
-                **{"async": name in ("ours_async", "ours_ray")},
+                ray=kind == "ours_ray",
+                **{"async": kind in ("ours_async", "ours_ray")},
             )
             res = run_worker(py, mode, st, work / f"{tag}.json", work / f"{tag}.log")
             res["seed"] = seed
