@@ -28,6 +28,21 @@ from pathlib import Path
 from typing import Any
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as a ``{dotted.key: value}`` dict (VALUE as JSON if it parses,
+    else the string)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. policy.compile_model=true")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
+
+
 def _recipe(settings: dict[str, Any], run_dir: Path, **extra: Any) -> dict[str, Any]:
     """The demo recipe with the benchmark's settings (shared by the SFT and ``ours`` modes), then
     ``settings["recipe_overrides"]`` (``e2e.py --set``) and ``extra`` (dotted keys)."""

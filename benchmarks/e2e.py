@@ -60,6 +60,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "e2e.json"
 WORKER = HERE / "_e2e_worker.py"
+sys.path.insert(0, str(HERE))
+from _e2e_worker import parse_overrides  # noqa: E402  (the worker file, also run in TRL's venv)
+
 OUR_PACKAGES = ("packages/rl-core", "packages/rl-buffer", "packages/rl-hf", "apps/trainer")
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0", "accelerate", "datasets")
 
@@ -190,32 +193,34 @@ def summarize(runs: list[dict[str, Any]], target: float, *, one_process: bool) -
 
 def split_system(name: str) -> tuple[str, int | None]:
     """A system and its torch thread count: ``("trl", 2)`` for ``trl_t2``, ``(name, None)`` for
-    a system run once (at the count of its ``--*-threads`` option)."""
-    base, sep, count = name.rpartition("_t")
+    a system run once (at the count of its ``--*-threads`` option); a ``--variant`` suffix
+    (``ours_sync_t2+compiled``) is dropped."""
+    base, sep, count = name.partition("+")[0].rpartition("_t")
     if sep and base in LABELS and count.isdigit():
         return base, int(count)
-    return name, None
+    return name.partition("+")[0], None
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``--set KEY=VALUE`` options as a ``{dotted.key: value}`` dict (VALUE as JSON if it parses,
-    else the string)."""
-    out: dict[str, Any] = {}
+def parse_variants(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--variant NAME:KEY=VALUE[;KEY=VALUE...]`` options as ``{NAME: overrides}``."""
+    out: dict[str, dict[str, Any]] = {}
     for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. policy.compile_model=true")
-        try:
-            out[key.strip()] = json.loads(raw)
-        except ValueError:
-            out[key.strip()] = raw
+        name, sep, rest = item.partition(":")
+        if not sep or not name.isidentifier() or not rest:
+            raise SystemExit(
+                f"--variant {item!r}: expected NAME:KEY=VALUE[;KEY=VALUE], e.g. "
+                "compiled:policy.compile_model=true"
+            )
+        out[name] = parse_overrides(rest.split(";"))
     return out
 
 
 def label(name: str) -> str:
     """The table label of a system (``trl_t2``, ``ours_sync_t2``: with 2 torch threads)."""
     base, threads = split_system(name)
-    return LABELS[base] if threads is None else f"{LABELS[base]} {threads}thr"
+    variant = name.partition("+")[2]
+    text = LABELS[base] if threads is None else f"{LABELS[base]} {threads}thr"
+    return f"{text} +{variant}" if variant else text
 
 
 def trl_reference(results: dict[str, dict[str, Any]]) -> str | None:
@@ -377,6 +382,15 @@ def main() -> None:
         help="a recipe override for our runs (not SFT, not TRL), e.g. policy.compile_model=true; "
         "VALUE is parsed as JSON when it can be; repeatable",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+        help="run each of our systems once more with these recipe overrides on top of --set, "
+        "as SYSTEM+NAME (e.g. compiled:policy.compile_model=true gives ours_sync_t2+compiled); "
+        "repeatable",
+    )
     ap.add_argument("--smoke", action="store_true", help="3 steps, one seed, nothing written")
     ap.add_argument("--work-dir", default=None, help="default: $RL_BENCH_HOME/e2e")
     ap.add_argument("--out", default=str(RESULTS))
@@ -408,12 +422,14 @@ def main() -> None:
     }
     threads["ours_async"] = threads["ours_sync"]
     overrides = parse_overrides(args.set)
+    variants = parse_variants(args.variant)
     # A system given several thread counts runs once per count (trl_t1, trl_t2, ...).
     systems = [
         f"{name}_t{t}" if len(threads.get(name, [])) > 1 else name
         for name in systems
         for t in threads.get(name, [1])
     ]
+    systems += [f"{name}+{v}" for v in variants for name in systems if name.startswith("ours")]
 
     work = Path(args.work_dir or bench_home() / ("e2e-smoke" if args.smoke else "e2e")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -450,6 +466,20 @@ def main() -> None:
     )
     print(f"  SFT held-out reward {sft['curve'][-1]['reward']:.3f}", flush=True)
 
+    # torch.compile's first compile on a machine (C++ kernels into inductor's on-disk cache) is
+    # a one-time cost of the machine, not of a run: one untimed 2-step run per compiled
+    # configuration fills the cache, so every seed's run pays the same per-run compile.
+    warmups: dict[str, float] = {}
+    for vname, ov in [("", overrides), *variants.items()]:
+        if not ov.get("policy.compile_model"):
+            continue
+        tag = "compile_warmup" + (f"+{vname}" if vname else "")
+        print(f"{tag}: filling the compile cache (2 untimed steps) ...", flush=True)
+        st = settings_file(tag, steps=2, run_name=tag, recipe_overrides=ov, ray=False)
+        warmups[tag] = run_worker(
+            sys.executable, "ours", st, work / f"{tag}.json", work / f"{tag}.log"
+        )["process_total_s"]
+
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     for i, seed in enumerate(seeds):
         # Rotate the order per seed, so a burst of load from other jobs hits every system.
@@ -466,7 +496,8 @@ def main() -> None:
                 py, mode = sys.executable, "ours"
                 if kind in threads:
                     extra["ours_threads"] = count or threads[kind][0]
-                extra["recipe_overrides"] = overrides
+                variant = name.partition("+")[2]
+                extra["recipe_overrides"] = {**overrides, **variants.get(variant, {})}
             st = settings_file(
                 tag,
                 **extra,
@@ -485,7 +516,10 @@ def main() -> None:
                 flush=True,
             )
     results = {
-        name: {"summary": summarize(rs, args.target, one_process=name != "ours_ray"), "runs": rs}
+        name: {
+            "summary": summarize(rs, args.target, one_process=split_system(name)[0] != "ours_ray"),
+            "runs": rs,
+        }
         for name, rs in runs.items()
     }
     add_speedups(results)
@@ -516,6 +550,7 @@ def main() -> None:
             "eval_reward": sft["curve"][-1]["reward"],
             "process_total_s": sft["process_total_s"],
         },
+        "compile_cache_warmup_s": warmups,
         "trl_reference": trl_reference(results),
         "bars": bars,
         "systems": results,

@@ -151,6 +151,7 @@ def run_case(
     profile: bool,
     *,
     instrument: bool = True,
+    overrides: dict[str, Any] | None = None,
 ) -> dict:
     """One setting and mode: timers per step over the measured steps, and the op table."""
     import torch
@@ -173,6 +174,7 @@ def run_case(
         "eps_high": 0.28,
         "eval_every": 10_000,
         **s,
+        "recipe_overrides": overrides or {},
     }
     run_dir = work / f"{setting}_{mode}"
     total = warmup + steps + (1 if profile else 0)
@@ -442,6 +444,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--no-torch-profile", action="store_true")
     ap.add_argument("--py-spy", action="append", default=[], help="SETTING:MODE under py-spy")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override (as benchmarks/e2e.py --set), e.g. policy.compile_model=true",
+    )
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "profile_step.json"))
     ap.add_argument("--case-out", default=None, help=argparse.SUPPRESS)
@@ -452,10 +461,20 @@ def main() -> None:
     home = Path(os.environ.get("RL_BENCH_HOME", Path.home() / ".cache" / "rl-bench"))
     work = Path(args.work_dir or home / "profile").resolve()
     work.mkdir(parents=True, exist_ok=True)
+    from _e2e_worker import parse_overrides
+
+    overrides = parse_overrides(args.set)
     if args.case_out:  # one case, for py-spy: no torch profiler
         (setting, mode) = args.settings, args.modes
         res = run_case(
-            work, setting, mode, args.warmup, args.steps, profile=False, instrument=False
+            work,
+            setting,
+            mode,
+            args.warmup,
+            args.steps,
+            profile=False,
+            instrument=False,
+            overrides=overrides,
         )
         Path(args.case_out).write_text(json.dumps(res))
         return
@@ -465,7 +484,13 @@ def main() -> None:
         for mode in args.modes.split(","):
             print(f"{setting} {mode} ...", flush=True)
             res = run_case(
-                work, setting, mode, args.warmup, args.steps, profile=not args.no_torch_profile
+                work,
+                setting,
+                mode,
+                args.warmup,
+                args.steps,
+                profile=not args.no_torch_profile,
+                overrides=overrides,
             )
             print(
                 f"  {res['wall_s_per_step'] * 1000:.0f} ms/step wall, "
@@ -484,6 +509,7 @@ def main() -> None:
             sys.executable, __file__, "--settings", setting, "--modes", mode,
             "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--case-out", str(work / "pyspy_case.json"), "--work-dir", str(work),
+            *(f"--set={item}" for item in args.set),
         ]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         spy[case] = summarize_speedscope(ss)
@@ -491,6 +517,7 @@ def main() -> None:
         "benchmark": "profile_step",
         "model": "qwen2 h128 L2 vocab260 (demo recipe) after 30 SFT steps",
         "settings": SETTINGS,
+        "recipe_overrides": overrides,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

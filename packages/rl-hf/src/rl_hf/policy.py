@@ -121,13 +121,26 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         """AdamW kernels: ``"foreach"`` (multi-tensor; bitwise ``"for_loop"``, torch's CPU
         default, and faster), ``"fused"`` (fastest, equal within float rounding; TRL's default)."""
         compile_model: bool = False
-        """``torch.compile`` the model's forward (inductor, dynamic shapes: packed token counts
-        that change every step reuse the graph). On the demo model it cuts the train step by
-        ~20% on CPU after two compiles of ~1 minute on 2 cores (docs/performance.md); values
-        equal within float rounding, so fixed-seed curves differ from eager. Off by default."""
+        """``torch.compile`` the model (inductor, dynamic shapes: packed token counts that change
+        every step reuse the graph) at ``compile_scope``. The first train step pays the compile
+        (on 2 CPU cores ~27 s cold, ~8 s with inductor's on-disk cache warm, for the demo model's
+        layers), later steps are faster (docs/performance.md §7); values equal within float
+        rounding, so fixed-seed curves differ from eager. Off by default: it wins on runs long
+        enough to pay the compile back."""
+        compile_warmup: bool = True
+        """With ``compile_model``: compile when the policy is built (one forward and backward on
+        a dummy batch, start-up time) instead of in the first train step."""
+        compile_scope: Literal["layers", "model"] = "layers"
+        """What ``compile_model`` compiles: ``"layers"`` each repeated decoder block (regional
+        compilation: one block's compile, the faster step on the demo model), ``"model"`` the
+        whole forward (one graph; slower to compile)."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
+            if self.compile_scope not in ("layers", "model"):
+                raise ConfigError(
+                    f"policy.compile_scope: {self.compile_scope!r} is not 'layers' or 'model'."
+                )
             if self.adamw_impl not in ("foreach", "fused", "for_loop"):
                 raise ConfigError(
                     f"policy.adamw_impl: {self.adamw_impl!r} is not 'foreach', 'fused' or "
@@ -222,13 +235,35 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
             weight_decay=config.weight_decay,
             **self._adamw_impl(),
         )
-        if config.compile_model:  # the instance's forward only: saving and weights unchanged
-            self.model.forward = torch.compile(self.model.forward, dynamic=True)
+        self.compiled_modules: list[str] = []
+        """Names of the modules ``compile_model`` compiled (empty when off)."""
+        self.compile_warmup_s = 0.0
+        """Seconds the start-up compile (``compile_warmup``) took."""
+        if config.compile_model:  # in place: parameter names, saving and weights unchanged
+            from rl_hf._compile import compile_model
+
+            self.compiled_modules = compile_model(self.model, config.compile_scope)
+            if config.compile_warmup:
+                self.compile_warmup_s = self._compile_warmup()
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
         )
+
+    def _compile_warmup(self) -> float:
+        """Compile the train forward and backward now (``compile_warmup``); seconds taken."""
+        from rl_hf._compile import warm_up
+
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            took = warm_up(
+                lambda b: self._packed_logprobs(self._on_device(b), with_entropy=False)[0],
+                self.model_shape.vocab_size,
+                getattr(self.model.config.get_text_config(), "max_position_embeddings", None),
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        return took
 
     def _adamw_impl(self) -> dict[str, Any]:
         """``foreach`` / ``fused`` of ``torch.optim.AdamW`` for ``config.adamw_impl``."""
