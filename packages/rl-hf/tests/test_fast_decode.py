@@ -1,7 +1,8 @@
-"""The lean decode step (``rl_hf._fast_decode``) against the transformers forward.
+"""The lean prefill and decode step (``rl_hf._fast_decode``) against the transformers forward.
 
 Every test runs the same :class:`HFGenerator` batch twice, ``fast_decode`` on and off, and
-compares the logits of every decode step (recorded from ``_decode_step``), the sampled tokens
+compares the logits of the prefill and of every decode step (recorded from ``_prefill`` and
+``_decode_step``), the sampled tokens
 and their log-probs. The batches mix left-padded prompts of different lengths, GRPO groups that
 share a prompt (one prefill, expanded) and rows with different ``max_new_tokens`` (the batch
 and its cache are compacted mid-way).
@@ -75,8 +76,8 @@ def _requests(n_new: int = 10) -> list[GenerationRequest]:
 def _run(
     model: Any, reqs: list[GenerationRequest], fast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[GenerationResult], list[torch.Tensor], int]:
-    """Generate ``reqs`` in one batch; returns the results, every decode step's logits and the
-    number of lean steps taken."""
+    """Generate ``reqs`` in one batch; returns the results, the logits of the prefill and of
+    every decode step, and the number of lean steps taken."""
     gen = HFGenerator(
         HFGenerator.Config(
             model_path="unused", max_batch_size=64, fast_decode=fast, stop_on_eos=False
@@ -87,6 +88,7 @@ def _run(
     logits: list[torch.Tensor] = []
     lean_steps = [0]
     orig_step, orig_decode_step = LeanCache.step, HFGenerator._decode_step
+    orig_prefill = HFGenerator._prefill
 
     def step(self: LeanCache, *a: Any) -> torch.Tensor:
         lean_steps[0] += 1
@@ -97,7 +99,13 @@ def _run(
         logits.append(out.clone())
         return out
 
+    def prefill(self: HFGenerator, *a: Any) -> torch.Tensor:
+        out = orig_prefill(self, *a)
+        logits.append(out.clone())
+        return out
+
     monkeypatch.setattr(LeanCache, "step", step)
+    monkeypatch.setattr(HFGenerator, "_prefill", prefill)
     monkeypatch.setattr(HFGenerator, "_decode_step", decode_step)
 
     async def go() -> list[GenerationResult]:
@@ -185,16 +193,11 @@ def test_updated_weights_are_used(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_mistral_window_shorter_than_the_batch_is_refused() -> None:
     """A Mistral window the batch's sequences outgrow gets no lean cache (the transformers
     path runs that batch); a window they fit in is full attention and qualifies."""
-    from transformers import DynamicCache
-
     model = _model("mistral", sliding_window=8)
     dec = LeanDecoder.build(model)
     assert dec is not None and dec.fits(8) and not dec.fits(9)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache, use_cache=True)
-    assert dec.start(cache, steps=3) is None
-    assert isinstance(dec.start(cache, steps=2), LeanCache)
+    assert dec.cache(prompt_len=6, steps=3) is None
+    assert isinstance(dec.cache(prompt_len=6, steps=2), LeanCache)
 
 
 def test_models_that_do_not_qualify() -> None:
@@ -230,14 +233,9 @@ def test_adapted_model_takes_the_transformers_path() -> None:
     """Once peft wraps the projections (a LoRA adapter is served) the lean step is refused,
     even by a decoder built before; ``HFGenerator`` then decodes through transformers."""
     peft = pytest.importorskip("peft")
-    from transformers import DynamicCache
-
     model = _model("qwen2")
     dec = LeanDecoder.build(model)
     assert dec is not None
     peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert "adapters" in (unsupported_reason(model) or "")
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
-    assert dec.start(cache, steps=2) is None
+    assert dec.cache(prompt_len=3, steps=2) is None

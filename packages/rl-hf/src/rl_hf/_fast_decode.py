@@ -4,20 +4,22 @@ One decode step through transformers costs far more than its FLOPs on a small mo
 module call, the mask and cache bookkeeping and the output records run Python per layer and per
 token. :class:`LeanDecoder` runs the same math straight on the model's weight tensors (read
 when a batch starts, so in-place weight updates between batches are seen) with a preallocated
-KV cache, for ``A`` rows and one token each::
+KV cache::
 
-    dec = LeanDecoder.build(model)               # None: the model does not qualify
-    cache = dec.start(dynamic_cache, steps=T)    # after the transformers prefill
-    logits_AV = cache.step(tok_A, mask_AS, pos_A)
-    cache.batch_select_indices(keep_A)           # compacting the batch
+    dec = LeanDecoder.build(model)                       # None: the model does not qualify
+    cache = dec.cache(prompt_len=L, steps=T)             # None: not for this batch
+    logits_UV = cache.prefill(ids_UL, mask_U1LL, pos_UL) # the distinct prompts
+    cache.batch_select_indices(expand_A)                 # one row per sample, compaction
+    logits_AV = cache.step(tok_A, mask_AS, pos_A)        # one token per row
 
 Per layer: RMSNorm, q/k/v projections (with their biases, if any), Qwen3's per-head q/k norms,
-RoPE from the model's own rotary embedding (a cos/sin table built once per batch), the new
-key/value written into the static cache at column ``seen - 1``, SDPA of the one query over the
-first ``seen`` columns under the row's padding mask (grouped-query heads packed as
-``[A, Hkv, Hq/Hkv, D]``, the layout transformers' SDPA path uses for one query), o_proj and
-residual, RMSNorm, the gated MLP and residual; then the final norm and the LM head. The
-results equal the transformers forward's within float rounding (bitwise in the common case).
+RoPE from the model's own rotary embedding (a cos/sin table built once per batch), the keys and
+values written into the static cache (a step's at column ``seen - 1``), SDPA under the rows'
+boolean masks, o_proj and residual, RMSNorm, the gated MLP and residual; then the final norm and
+the LM head on the last position. Grouped-query heads are laid out as transformers' SDPA path
+lays them out (repeated for the prefill's many queries, packed as ``[A, Hkv, Hq/Hkv, D]`` for
+a step's one query), so the results equal the transformers forward's within float rounding
+(bitwise on CPU with ``sdpa``, in float32 and bfloat16, in the tests).
 
 Qualifying models (:func:`unsupported_reason` says why not): ``model_type`` ``llama``,
 ``qwen2``, ``qwen3`` or ``mistral``; every layer full attention (no sliding window; a
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from rl_core.errors import GenerationError
 
 __all__ = ["LeanCache", "LeanDecoder", "unsupported_reason"]
 
@@ -120,17 +124,23 @@ def _rope(x_AHD: torch.Tensor, cos_A1D: torch.Tensor, sin_A1D: torch.Tensor) -> 
     return (x_AHD * cos_A1D) + (rot_AHD * sin_A1D)
 
 
+def _mlp(lay: _Layer, h_NH: torch.Tensor) -> torch.Tensor:
+    """``down(act(gate(h)) * up(h))``."""
+    g_NI = lay.act(F.linear(h_NH, lay.wg, lay.bg))
+    return F.linear(g_NI * F.linear(h_NH, lay.wu, lay.bu), lay.wd, lay.bd)
+
+
 class LeanDecoder:
     """Decode steps of a qualifying Hugging Face causal LM without going through its modules.
 
     Build it with :meth:`build` (``None`` when :func:`unsupported_reason` finds a reason); each
-    batch then calls :meth:`start` after its transformers prefill.
+    batch then gets a :class:`LeanCache` from :meth:`cache`.
     """
 
     def __init__(self, model: Any) -> None:
         """Wrap ``model`` (a qualifying ``*ForCausalLM``; see :func:`unsupported_reason`)."""
         self.model = model
-        """The served model; its weights are read at every :meth:`start`."""
+        """The served model; its weights are read at every :meth:`cache`."""
         cfg = model.config
         self.num_heads: int = int(cfg.num_attention_heads)
         """Query heads ``Hq``."""
@@ -192,47 +202,28 @@ class LeanDecoder:
             )
         return out
 
-    def start(self, prefill_cache: Any, *, steps: int) -> LeanCache | None:
-        """A static KV cache for ``steps`` more tokens, holding ``prefill_cache``'s keys and
-        values (a transformers ``DynamicCache`` with one row per batch row), or ``None`` when
-        the model no longer qualifies (adapted) or the sequences outgrow a sliding window."""
+    def cache(self, *, prompt_len: int, steps: int) -> LeanCache | None:
+        """An empty static KV cache for prompts of ``prompt_len`` (padded) tokens and ``steps``
+        new ones (fill it with :meth:`LeanCache.prefill`), or ``None`` when the model no longer
+        qualifies (adapted since :meth:`build`) or the sequences outgrow a sliding window."""
         layers = self._layers()
-        if layers is None:
-            return None
-        kv = [(lay.keys, lay.values) for lay in prefill_cache.layers]
-        A, Hkv, L, D = kv[0][0].shape
-        if not self.fits(L + steps) or len(kv) != len(layers):
+        if layers is None or not self.fits(prompt_len + steps):
             return None
         inner = self.model.model
-        C = L + steps
-        keys, values = [], []
-        for k_AKLD, v_AKLD in kv:
-            kc_AKCD = k_AKLD.new_empty((A, Hkv, C, D))
-            vc_AKCD = v_AKLD.new_empty((A, Hkv, C, D))
-            kc_AKCD[:, :, :L] = k_AKLD
-            vc_AKCD[:, :, :L] = v_AKLD
-            keys.append(kc_AKCD)
-            values.append(vc_AKCD)
+        C = prompt_len + steps
         # Positions stay below C (a row's position counts its real tokens); the rotary module
-        # computes each position's cos/sin elementwise, so one table equals per-step calls.
+        # computes each position's cos/sin elementwise, so one table equals per-call ones.
         emb = inner.embed_tokens.weight
         pos_1P = torch.arange(C, device=emb.device)[None]
         cos_1PD, sin_1PD = inner.rotary_emb(emb[:1][None], pos_1P)
-        return LeanCache(
-            self,
-            layers,
-            keys,
-            values,
-            cos_PD=cos_1PD[0],
-            sin_PD=sin_1PD[0],
-            used=L,
-        )
+        return LeanCache(self, layers, cos_PD=cos_1PD[0], sin_PD=sin_1PD[0], columns=C)
 
 
 class LeanCache:
-    """Static per-layer KV cache ``[A, Hkv, C, D]`` of one batch, and its decode step.
+    """Static per-layer KV cache ``[A, Hkv, C, D]`` of one batch, with its prefill and decode
+    step.
 
-    Duck-types the one ``DynamicCache`` method the generator's decode loop calls
+    Duck-types the one ``DynamicCache`` method the generator calls on a cache
     (:meth:`batch_select_indices`).
     """
 
@@ -240,32 +231,80 @@ class LeanCache:
         self,
         decoder: LeanDecoder,
         layers: list[_Layer],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
         *,
         cos_PD: torch.Tensor,
         sin_PD: torch.Tensor,
-        used: int,
+        columns: int,
     ) -> None:
-        """Built by :meth:`LeanDecoder.start`."""
+        """Built by :meth:`LeanDecoder.cache`."""
         self.decoder, self.layers = decoder, layers
-        self.keys, self.values = keys, values
+        self.keys: list[torch.Tensor] = []
         """Per layer ``[A, Hkv, C, D]``; columns at and after :attr:`used` are unwritten."""
+        self.values: list[torch.Tensor] = []
+        """Per layer ``[A, Hkv, C, D]``, like :attr:`keys`."""
         self.cos_PD, self.sin_PD = cos_PD, sin_PD
-        self.used = used
+        self.columns = columns
+        """``C``: the prompt length plus the new tokens."""
+        self.used = 0
         """Columns filled so far (the prompt length, plus one per step)."""
         m = decoder.model
-        cfg = m.config
-        self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.eps = float(getattr(m.config, "rms_norm_eps", 1e-6))
         self.embed_VH: torch.Tensor = m.model.embed_tokens.weight
         self.norm_H: torch.Tensor = m.model.norm.weight
         self.head_VH: torch.Tensor = m.lm_head.weight
         self.head_bias_V: torch.Tensor | None = m.lm_head.bias
 
     def batch_select_indices(self, idx_A: torch.Tensor) -> None:
-        """Keep the rows ``idx_A`` (in that order) of every layer's cache."""
+        """Keep (or repeat) the rows ``idx_A``, in that order, of every layer's cache."""
         self.keys = [k.index_select(0, idx_A) for k in self.keys]
         self.values = [v.index_select(0, idx_A) for v in self.values]
+
+    def prefill(
+        self, ids_UL: torch.Tensor, mask_U1LL: torch.Tensor, pos_UL: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the ``U`` left-padded prompts ``ids_UL`` at positions ``pos_UL`` under the
+        boolean attention mask ``mask_U1LL`` (causal and padding, every query sees itself),
+        filling the cache's first ``L`` columns; returns the last position's logits ``[U, V]``.
+
+        As transformers' SDPA path does for several queries under a mask, the key/value heads
+        are repeated for their query heads."""
+        dec, eps = self.decoder, self.eps
+        U, L = ids_UL.shape
+        Hq, Hkv, D = dec.num_heads, dec.num_kv_heads, dec.head_dim
+        R = Hq // Hkv
+        cos_U1LD = self.cos_PD[pos_UL][:, None]
+        sin_U1LD = self.sin_PD[pos_UL][:, None]
+        x_ULH = F.embedding(ids_UL, self.embed_VH)
+        for lay in self.layers:
+            h_ULH = _norm(x_ULH, lay.ln1_H, eps)
+            q_ULQD = F.linear(h_ULH, lay.wq, lay.bq).view(U, L, Hq, D)
+            k_ULKD = F.linear(h_ULH, lay.wk, lay.bk).view(U, L, Hkv, D)
+            v_UKLD = F.linear(h_ULH, lay.wv, lay.bv).view(U, L, Hkv, D).transpose(1, 2)
+            if lay.qn_D is not None and lay.kn_D is not None:
+                q_ULQD = _norm(q_ULQD, lay.qn_D, eps)
+                k_ULKD = _norm(k_ULKD, lay.kn_D, eps)
+            q_UQLD = _rope(q_ULQD.transpose(1, 2), cos_U1LD, sin_U1LD)
+            k_UKLD = _rope(k_ULKD.transpose(1, 2), cos_U1LD, sin_U1LD)
+            kc_UKCD = k_UKLD.new_empty((U, Hkv, self.columns, D))
+            vc_UKCD = v_UKLD.new_empty((U, Hkv, self.columns, D))
+            kc_UKCD[:, :, :L] = k_UKLD
+            vc_UKCD[:, :, :L] = v_UKLD
+            self.keys.append(kc_UKCD)
+            self.values.append(vc_UKCD)
+            o_UQLD = F.scaled_dot_product_attention(
+                q_UQLD,
+                k_UKLD[:, :, None].expand(U, Hkv, R, L, D).reshape(U, Hq, L, D),
+                v_UKLD[:, :, None].expand(U, Hkv, R, L, D).reshape(U, Hq, L, D),
+                attn_mask=mask_U1LL,
+                scale=lay.scale,
+            )
+            x_ULH = x_ULH + F.linear(o_UQLD.transpose(1, 2).reshape(U, L, Hq * D), lay.wo, lay.bo)
+            x_ULH = x_ULH + _mlp(lay, _norm(x_ULH, lay.ln2_H, eps))
+        self.used = L
+        # Norm every position, then the LM head on the [U, 1, H] view of the last, as
+        # transformers does with logits_to_keep=1 (another input layout rounds differently).
+        h_U1H = _norm(x_ULH, self.norm_H, eps)[:, -1:]
+        return F.linear(h_U1H, self.head_VH, self.head_bias_V)[:, -1]
 
     def step(self, tok_A: torch.Tensor, mask_AS: torch.Tensor, pos_A: torch.Tensor) -> torch.Tensor:
         """Feed token ``tok_A`` of each row at position ``pos_A``, attending to the cache
@@ -276,8 +315,11 @@ class LeanCache:
         Hq, Hkv, D = dec.num_heads, dec.num_kv_heads, dec.head_dim
         c = self.used
         S = c + 1
-        if mask_AS.shape[1] != S:
-            raise ValueError(f"LeanCache.step: mask covers {mask_AS.shape[1]} columns, not {S}")
+        if mask_AS.shape[1] != S or self.columns < S:
+            raise GenerationError(
+                f"LeanCache.step: the mask covers {mask_AS.shape[1]} columns, expected {S} "
+                f"(at most {self.columns}); call step once per token after prefill."
+            )
         cos_A1D = self.cos_PD[pos_A][:, None]
         sin_A1D = self.sin_PD[pos_A][:, None]
         mask_A11S = mask_AS[:, None, None, :]
@@ -293,7 +335,8 @@ class LeanCache:
             q_AQD = _rope(q_AQD, cos_A1D, sin_A1D)
             kc_AKCD[:, :, c] = _rope(k_AKD, cos_A1D, sin_A1D)
             vc_AKCD[:, :, c] = v_AKD
-            # One query per row: group the query heads by their key/value head (no repeat).
+            # One query per row: group the query heads by their key/value head (no repeat),
+            # the layout transformers' SDPA path uses for one query.
             o_AKRD = F.scaled_dot_product_attention(
                 q_AQD.view(A, Hkv, Hq // Hkv, D),
                 kc_AKCD[:, :, :S],
@@ -302,8 +345,6 @@ class LeanCache:
                 scale=lay.scale,
             )
             x_AH = x_AH + F.linear(o_AKRD.reshape(A, Hq * D), lay.wo, lay.bo)
-            h_AH = _norm(x_AH, lay.ln2_H, eps)
-            g_AI = lay.act(F.linear(h_AH, lay.wg, lay.bg))
-            x_AH = x_AH + F.linear(g_AI * F.linear(h_AH, lay.wu, lay.bu), lay.wd, lay.bd)
+            x_AH = x_AH + _mlp(lay, _norm(x_AH, lay.ln2_H, eps))
         self.used = S
         return F.linear(_norm(x_AH, self.norm_H, eps), self.head_VH, self.head_bias_V)

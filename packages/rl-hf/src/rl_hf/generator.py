@@ -19,8 +19,9 @@ How one batch is generated (names: ``B`` rows, ``L`` prompt length, ``V`` vocab,
 - with ``sdpa`` the 4-D causal/padding masks are built by us and passed in, instead of being
   rebuilt by transformers at every step;
 - each decode step feeds one token per row with the grown attention mask and the next position
-  (on a Llama-family model, ``Config.fast_decode``: through ``rl_hf._fast_decode``'s lean layer
-  and a static KV cache instead of the transformers modules, with the same results);
+  (on a Llama-family model, ``Config.fast_decode``: prefill and steps run through
+  ``rl_hf._fast_decode``'s lean decoder layer and a static KV cache instead of the transformers
+  modules, with the same results);
   rows that finished keep a slot until enough of them finished, then the batch (cache included) is
   compacted to the live rows;
 - sampling is vectorised over rows with per-row temperature, top-k, top-p, stop ids and length;
@@ -554,9 +555,13 @@ class HFGenerator(Generator):
         t0 = time.perf_counter()
         ids_BL, mask_BL, pos_BL, lens_B = self._pack_prompts(reqs)
         st = self._row_state(batch, mask_BL, lens_B, T)
-        cache = DynamicCache(config=self.model.config)
         tap = self._router_tap
         record = tap is not None and any(r.return_routing for r in reqs)
+        cache: Any = None
+        if self._lean is not None and self._adapters.peft is None and not record:
+            cache = self._lean.cache(prompt_len=ids_BL.shape[1], steps=T)  # None: not this one
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
         with tap.recording() if tap is not None and record else contextlib.nullcontext() as rec:
             logits_AV = self._prefill(reqs, ids_BL, mask_BL, pos_BL, cache)
             if rec is not None and tap is not None:
@@ -567,8 +572,6 @@ class HFGenerator(Generator):
                 st["route"] = st["prompt_route"].new_zeros(
                     (len(reqs), T, tap.shape.num_layers, tap.shape.top_k)
                 )
-            elif self._lean is not None and self._adapters.peft is None:
-                cache = self._lean.start(cache, steps=T) or cache  # None: transformers path
             t1 = time.perf_counter()
             steps = self._decode(
                 batch, st, cache, logits_AV, prompt_len=ids_BL.shape[1], epoch=epoch, rec=rec
@@ -652,7 +655,8 @@ class HFGenerator(Generator):
             if uniq_U is None
             else (ids_BL[uniq_U], mask_BL[uniq_U], pos_BL[uniq_U])
         )
-        if self._own_masks:
+        lean = isinstance(cache, LeanCache)
+        if self._own_masks or lean:
             # Causal and padding mask built once here instead of by transformers at every call;
             # padded query rows attend to themselves so no row is fully masked (NaN in SDPA).
             causal_LL = torch.ones(L, L, dtype=torch.bool).tril_()
@@ -661,14 +665,17 @@ class HFGenerator(Generator):
             attn: Any = mask_U1LL.to(dev)
         else:
             attn = pre_mask.long().to(dev)
-        logits_AV = self.model(
-            input_ids=pre_ids.to(dev),
-            attention_mask=attn,
-            position_ids=pre_pos.to(dev),
-            **{self._cache_arg: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        if lean:
+            logits_AV = cache.prefill(pre_ids.to(dev), attn, pre_pos.to(dev))
+        else:
+            logits_AV = self.model(
+                input_ids=pre_ids.to(dev),
+                attention_mask=attn,
+                position_ids=pre_pos.to(dev),
+                **{self._cache_arg: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
         if expand_B is not None:
             cache.batch_select_indices(expand_B.to(dev))
             logits_AV = logits_AV[expand_B.to(dev)]
