@@ -166,12 +166,14 @@ def test_lean_step_matches_transformers(
     _assert_same(model, monkeypatch)
 
 
-def test_llama_with_biases_and_scaled_rope(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Llama's optional attention / MLP biases and a length-independent rope scaling."""
+def test_llama_with_biases_gelu_and_scaled_rope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's optional attention / MLP biases, another activation (the MLP's own ``act_fn``)
+    and a length-independent rope scaling."""
     model = _model(
         "llama",
         attention_bias=True,
         mlp_bias=True,
+        hidden_act="gelu_pytorch_tanh",
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     )
     assert model.model.layers[0].mlp.up_proj.bias is not None

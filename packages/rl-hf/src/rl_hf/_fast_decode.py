@@ -1,4 +1,4 @@
-"""A lean decode step for Llama-family models, used by :class:`~rl_hf.HFGenerator`.
+"""A lean prefill and decode step for Llama-family models, used by :class:`~rl_hf.HFGenerator`.
 
 One decode step through transformers costs far more than its FLOPs on a small model: every
 module call, the mask and cache bookkeeping and the output records run Python per layer and per
@@ -82,7 +82,9 @@ def unsupported_reason(model: Any) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    """The tensors of one decoder layer, read when a batch starts."""
+    """The tensors of one decoder layer, read when a batch starts: ``w*`` weights ``[out, in]``
+    and ``b*`` biases ``[out]`` (``None``: none) of the q/k/v/o and gate/up/down projections, as
+    ``torch.nn.Linear`` holds them; the norms' weights; the MLP activation; the softmax scale."""
 
     ln1_H: torch.Tensor
     wq: torch.Tensor
