@@ -241,3 +241,18 @@ def test_adapted_model_takes_the_transformers_path() -> None:
     peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert "adapters" in (unsupported_reason(model) or "")
     assert dec.cache(prompt_len=3, steps=2) is None
+
+
+def test_hooked_model_takes_the_transformers_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward hook on any module (someone counting or editing its calls) sends the batch
+    through transformers, where the hook fires; removed, the lean step runs again."""
+    model = _model("qwen2")
+    calls = [0]
+    handle = model.model.layers[1].mlp.register_forward_hook(
+        lambda *_: calls.__setitem__(0, calls[0] + 1)
+    )
+    _, logits, lean_steps = _run(model, _requests(), True, monkeypatch)
+    assert lean_steps == 0 and calls[0] == len(logits)
+    handle.remove()
+    _, _, lean_steps = _run(model, _requests(), True, monkeypatch)
+    assert lean_steps > 0 and calls[0] == len(logits)

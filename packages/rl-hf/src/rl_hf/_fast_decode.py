@@ -25,7 +25,8 @@ Qualifying models (:func:`unsupported_reason` says why not): ``model_type`` ``ll
 ``qwen2``, ``qwen3`` or ``mistral``; every layer full attention (no sliding window; a
 Mistral ``sliding_window`` longer than the batch's sequences is full attention too); RoPE whose
 frequencies do not depend on the sequence length (not ``dynamic`` / ``longrope``); plain
-``torch.nn.Linear`` projections (a peft-adapted model does not qualify). Names: ``A`` rows,
+``torch.nn.Linear`` projections (a peft-adapted model does not qualify); and, batch by batch,
+no forward hook on the model (:func:`hooked`: whoever hooks a module expects it to run). Names: ``A`` rows,
 ``H`` hidden size, ``Hq``/``Hkv`` query / key-value heads, ``R = Hq / Hkv``, ``D`` head dim,
 ``S`` attended cache columns, ``C`` cache columns, ``P`` positions, ``V`` vocab, ``I`` MLP width.
 """
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 
 from rl_core.errors import GenerationError
 
-__all__ = ["LeanCache", "LeanDecoder", "unsupported_reason"]
+__all__ = ["LeanCache", "LeanDecoder", "hooked", "unsupported_reason"]
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``model_type`` values whose decoder layer :class:`LeanDecoder` reimplements."""
@@ -78,6 +79,19 @@ def unsupported_reason(model: Any) -> str | None:
     if type(model.lm_head) is not torch.nn.Linear:
         return "lm_head is not a plain torch.nn.Linear"
     return None
+
+
+def hooked(model: Any) -> bool:
+    """Whether a forward hook (on any module of ``model``, or global) or an accelerate hook
+    (``device_map`` dispatch) expects the model's modules to be called: then the lean step,
+    which does not call them, must not run."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +221,12 @@ class LeanDecoder:
     def cache(self, *, prompt_len: int, steps: int) -> LeanCache | None:
         """An empty static KV cache for prompts of ``prompt_len`` (padded) tokens and ``steps``
         new ones (fill it with :meth:`LeanCache.prefill`), or ``None`` when the model no longer
-        qualifies (adapted since :meth:`build`) or the sequences outgrow a sliding window."""
+        qualifies (adapted since :meth:`build`, or :func:`hooked`) or the sequences outgrow a
+        sliding window."""
+        if hooked(self.model) or not self.fits(prompt_len + steps):
+            return None
         layers = self._layers()
-        if layers is None or not self.fits(prompt_len + steps):
+        if layers is None:
             return None
         inner = self.model.model
         C = prompt_len + steps
