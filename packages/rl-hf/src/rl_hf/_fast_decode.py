@@ -45,7 +45,6 @@ __all__ = ["LeanCache", "LeanDecoder", "hooked", "unsupported_reason"]
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``model_type`` values whose decoder layer :class:`LeanDecoder` reimplements."""
-_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -64,8 +63,9 @@ def unsupported_reason(model: Any) -> str | None:
     rope = getattr(inner, "rotary_emb", None)
     if rope is None or not hasattr(model, "lm_head"):
         return "no model.rotary_emb or lm_head (not a *ForCausalLM of the family)"
-    if getattr(rope, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
-        return f"rope_type {rope.rope_type!r} depends on the sequence length"
+    rope_type = getattr(rope, "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+        return f"rope_type {rope_type!r} depends on the sequence length (or the layer)"
     if type(inner.embed_tokens) is not torch.nn.Embedding:
         return "the input embedding is not a plain torch.nn.Embedding"
     for i, layer in enumerate(inner.layers):
