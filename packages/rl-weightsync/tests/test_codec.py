@@ -5,6 +5,7 @@ byte-plane blobs refused."""
 from __future__ import annotations
 
 import struct
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rl_weightsync import _codec
 from rl_weightsync._codec import decode_delta, encode_delta, layout_of
 from rl_weightsync.checksum import tensor_bytes
 
@@ -39,7 +41,7 @@ def _planes_header(blob: bytes) -> tuple[int, int, list[tuple[int, int]]]:
 
 
 @pytest.mark.parametrize("layout", ["bytes", "planes", "auto"])
-@pytest.mark.parametrize("n", [1, 37, 4097])
+@pytest.mark.parametrize("n", [1, 37, 4097, 2 * _codec._BLOCK + 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_xor_round_trip_is_bitwise(dtype: torch.dtype, n: int, layout: str) -> None:
     old, new = _step(n, dtype, lr=1e-3)
@@ -71,11 +73,13 @@ def test_empty_and_unchanged_tensors_have_no_delta(layout: str) -> None:
     mask=st.binary(min_size=1, max_size=600),
     raw_ratio=st.floats(0.0, 1.5),
     layout=st.sampled_from(["planes", "auto"]),
+    block=st.sampled_from([1, 3, 64, 1 << 17]),
 )
 def test_random_bytes_round_trip(
-    itemsize: int, data: bytes, mask: bytes, raw_ratio: float, layout: str
+    itemsize: int, data: bytes, mask: bytes, raw_ratio: float, layout: str, block: int
 ) -> None:
-    """Any bytes (lengths not a multiple of the item size included), any sparsity."""
+    """Any bytes (lengths not a multiple of the item size included), any sparsity, decoded in
+    blocks of any size (the last one short)."""
     old = np.frombuffer(data, dtype=np.uint8)
     flips = np.resize(np.frombuffer(mask, dtype=np.uint8), old.size)
     new = old ^ flips
@@ -86,7 +90,8 @@ def test_random_bytes_round_trip(
         assert blob is None
         return
     assert blob is not None
-    out = decode_delta(old, blob, itemsize=itemsize, encoding="xor", layout=layout_of(blob))
+    with mock.patch.object(_codec, "_BLOCK", block):
+        out = decode_delta(old, blob, itemsize=itemsize, encoding="xor", layout=layout_of(blob))
     assert out.tobytes() == new.tobytes()
 
 
