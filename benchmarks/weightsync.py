@@ -165,7 +165,14 @@ def _step_bytes(nbytes: int, dtype: torch.dtype, lr: float, seed: int) -> tuple:
     return tensor_bytes(w.to(dtype)), tensor_bytes((w + step).to(dtype))
 
 
-def _decode_all(items: list, isz: int, threads: int) -> list:
+def _decode_all(items: list, isz: int, threads: int, into: list | None = None) -> list:
+    """Decode every (pair, blob, layout) of ``items``; in place into ``into`` when given."""
+    if into is not None:
+        return [
+            decode_delta(c, b, itemsize=isz, encoding="xor", layout=u, out=c)
+            for (_, b, u), c in zip(items, into)
+        ]
+
     def one(item):
         (o, _), b, u = item
         return decode_delta(o, b, itemsize=isz, encoding="xor", layout=u)
@@ -180,7 +187,8 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
 
     ``apply_gbps_1t_cpu`` = model bytes / CPU seconds of the decoding thread (per core, and the
     least disturbed by other work on the machine); ``apply_gbps_1t`` and ``apply_gbps_2t`` are
-    wall-clock with 1 and 2 threads over the tensors. Variants are interleaved within each of
+    wall-clock with 1 and 2 threads over the tensors; ``apply_inplace_gbps_1t_cpu`` decodes into
+    a copy of the old bytes (``out=old``), as ``DiskDeltaTransport`` does with the bytes it reads. Variants are interleaved within each of
     ``reps`` rounds; each number is the best round.
     """
     rows = []
@@ -199,7 +207,7 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
                 out = decode_delta(o, b, itemsize=isz, encoding="xor", layout=u)
                 assert out.tobytes() == n.tobytes(), (case, layout, level)
             blobs[layout, level] = list(zip(pairs, enc, used))
-        best = {v: {"cpu1": 1e9, "wall1": 1e9, "wall2": 1e9} for v in blobs}
+        best = {v: {"cpu1": 1e9, "wall1": 1e9, "wall2": 1e9, "inplace": 1e9} for v in blobs}
 
         for _ in range(reps):
             for v, items in blobs.items():
@@ -211,6 +219,11 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
                 t0 = time.perf_counter()
                 _decode_all(items, isz, 2)
                 best[v]["wall2"] = min(best[v]["wall2"], time.perf_counter() - t0)
+                copies = [o.copy() for (o, _), _, _ in items]  # as the receiver reads them
+                c0 = time.thread_time()
+                _decode_all(items, isz, 1, into=copies)
+                best[v]["inplace"] = min(best[v]["inplace"], time.thread_time() - c0)
+                del copies
         for (layout, level), items in blobs.items():
             b = best[layout, level]
             rows.append(
@@ -224,6 +237,7 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
                     "apply_gbps_1t_cpu": full / b["cpu1"] / 1e9,
                     "apply_gbps_1t": full / b["wall1"] / 1e9,
                     "apply_gbps_2t": full / b["wall2"] / 1e9,
+                    "apply_inplace_gbps_1t_cpu": full / b["inplace"] / 1e9,
                 }
             )
         del pairs, blobs
@@ -231,12 +245,13 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
 
 
 def print_layouts(rows: list[dict]) -> None:
-    hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s}  (GB/s)"
+    hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s} {'in place 1t cpu':>15s}  (GB/s)"
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         print(
             f"{r['case']:12s} {r['layout']:7s} {r['zstd_level']:3d} {r['delta_ratio']:10.3f} "
-            f"{r['apply_gbps_1t_cpu']:12.2f} {r['apply_gbps_1t']:8.2f} {r['apply_gbps_2t']:8.2f}"
+            f"{r['apply_gbps_1t_cpu']:12.2f} {r['apply_gbps_1t']:8.2f} {r['apply_gbps_2t']:8.2f} "
+            f"{r['apply_inplace_gbps_1t_cpu']:15.2f}"
         )
 
 

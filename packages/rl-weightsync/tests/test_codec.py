@@ -56,6 +56,31 @@ def test_xor_round_trip_is_bitwise(dtype: torch.dtype, n: int, layout: str) -> N
     assert old.tobytes() == kept.tobytes()  # old untouched
     with pytest.raises(ValueError):  # a blob decoded on a tensor of another size
         decode_delta(old[:-isz], blob, itemsize=isz, encoding="xor", layout=used)
+    # into a given array, and in place
+    given = np.full_like(old, 7)
+    assert decode_delta(old, blob, itemsize=isz, encoding="xor", layout=used, out=given) is given
+    assert given.tobytes() == new.tobytes()
+    inplace = old.copy()
+    decode_delta(inplace, blob, itemsize=isz, encoding="xor", layout=used, out=inplace)
+    assert inplace.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_overwrite_into_given_array_and_in_place(dense: bool) -> None:
+    old, new = _step(5000, torch.float32, lr=1e-3)
+    if not dense:
+        new = old.copy()
+        new[40:48] ^= 0xFF
+    blob = encode_delta(old, new, itemsize=4, encoding="overwrite")
+    assert blob is not None
+    given = np.zeros_like(old)
+    assert decode_delta(old, blob, itemsize=4, encoding="overwrite", out=given) is given
+    assert given.tobytes() == new.tobytes()
+    inplace = old.copy()
+    decode_delta(inplace, blob, itemsize=4, encoding="overwrite", out=inplace)
+    assert inplace.tobytes() == new.tobytes()
+    with pytest.raises(ValueError, match="out must be uint8"):
+        decode_delta(old, blob, itemsize=4, encoding="overwrite", out=given.view(np.uint32))
 
 
 @pytest.mark.parametrize("layout", ["bytes", "planes", "auto"])
@@ -72,7 +97,7 @@ def test_empty_and_unchanged_tensors_have_no_delta(layout: str) -> None:
     data=st.binary(min_size=1, max_size=600),
     mask=st.binary(min_size=1, max_size=600),
     raw_ratio=st.floats(0.0, 1.5),
-    layout=st.sampled_from(["planes", "auto"]),
+    layout=st.sampled_from(["bytes", "planes", "auto"]),
     block=st.sampled_from([1, 3, 64, 1 << 17]),
 )
 def test_random_bytes_round_trip(
@@ -90,9 +115,13 @@ def test_random_bytes_round_trip(
         assert blob is None
         return
     assert blob is not None
+    inplace = old.copy()
     with mock.patch.object(_codec, "_BLOCK", block):
         out = decode_delta(old, blob, itemsize=itemsize, encoding="xor", layout=layout_of(blob))
-    assert out.tobytes() == new.tobytes()
+        decode_delta(
+            inplace, blob, itemsize=itemsize, encoding="xor", layout=layout_of(blob), out=inplace
+        )
+    assert out.tobytes() == new.tobytes() and inplace.tobytes() == new.tobytes()
 
 
 def test_original_single_frame_deltas_still_decode() -> None:

@@ -125,17 +125,27 @@ def layout_of(blob: bytes) -> str:
 
 
 def decode_delta(
-    old: np.ndarray, blob: bytes, *, itemsize: int, encoding: str, layout: str = "bytes"
+    old: np.ndarray,
+    blob: bytes,
+    *,
+    itemsize: int,
+    encoding: str,
+    layout: str = "bytes",
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """New raw bytes from ``old`` and a blob of :func:`encode_delta` (``old`` is not modified).
+    """New raw bytes from ``old`` and a blob of :func:`encode_delta`, written to ``out`` (a new
+    array by default; ``old`` itself to apply in place, which saves an allocation as large as
+    the tensor) and returned. ``old`` is only modified when it is ``out``.
 
     ``layout`` is the one the blob was encoded with. Raises ``ValueError`` on a malformed blob
-    (the caller names tensor and version).
+    (the caller names tensor and version); an in-place ``old`` is then partly patched.
     """
     if layout not in LAYOUTS or (layout == "planes" and encoding != "xor"):
         raise ValueError(f"layout {layout!r} of a {encoding} delta is not one of {LAYOUTS}")
+    if out is not None and (out.dtype != np.uint8 or out.shape != old.shape):
+        raise ValueError(f"out must be uint8 {old.shape}, got {out.dtype} {out.shape}")
     if layout == "planes":
-        return _decode_planes(old, blob, itemsize)
+        return _decode_planes(old, blob, itemsize, out)
     n = old.size
     ptype_size = 4 if n // max(itemsize, 1) < 2**32 else 8
     bound = n if encoding == "xor" else 8 + max(n, (n // itemsize) * (ptype_size + itemsize))
@@ -145,14 +155,16 @@ def decode_delta(
     if encoding == "xor":
         if size != n:
             raise ValueError(f"frame holds {size} bytes, expected {n}")
-        out = np.empty_like(old)  # decompress straight into the output, then XOR in place
-        view, filled = memoryview(out), 0
         with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
-            while filled < n:
-                got = reader.readinto(view[filled:])
-                if not got:
-                    raise ValueError(f"decoded {filled} bytes, expected {n}")
-                filled += got
+            if out is old:  # stream the XOR through a small buffer into old
+                buf = np.empty(min(n, 8 * _BLOCK), dtype=np.uint8)
+                for start in range(0, n, buf.size):
+                    part, x = old[start : start + buf.size], buf[: min(buf.size, n - start)]
+                    _fill(reader, x)
+                    np.bitwise_xor(_wide(part), _wide(x), out=_wide(part))
+                return old
+            out = np.empty_like(old) if out is None else out
+            _fill(reader, out)  # decompress straight into the output, then XOR in place
         np.bitwise_xor(_wide(out), _wide(old), out=_wide(out))
         return out
     raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=bound)
@@ -160,17 +172,23 @@ def decode_delta(
     if count == _ALL:
         if len(raw) != 8 + n:
             raise ValueError(f"dense overwrite payload of {len(raw)} bytes, expected {8 + n}")
-        return np.frombuffer(raw, dtype=np.uint8, offset=8).copy()
+        dense = np.frombuffer(raw, dtype=np.uint8, offset=8)
+        if out is None:
+            return dense.copy()
+        np.copyto(out, dense)
+        return out
     if len(raw) != 8 + count * (ptype_size + itemsize):
         raise ValueError(f"overwrite payload of {len(raw)} bytes does not hold {count} elements")
     ptype = np.uint32 if ptype_size == 4 else np.uint64
     pos = np.frombuffer(raw, dtype=ptype, count=count, offset=8)
     vals = np.frombuffer(raw, dtype=_UINT[itemsize], count=count, offset=8 + count * ptype_size)
-    out = old.copy()
-    elems = out.view(_UINT[itemsize])
-    if count and int(pos.max()) >= elems.size:
+    if count and int(pos.max()) >= n // itemsize:
         raise ValueError("overwrite position out of range")
-    elems[pos] = vals
+    if out is None:
+        out = old.copy()
+    elif out is not old:
+        np.copyto(out, old)
+    out.view(_UINT[itemsize])[pos] = vals
     return out
 
 
@@ -230,7 +248,7 @@ def _fill(reader: Any, buf: np.ndarray) -> None:
     while filled < buf.size:
         got = reader.readinto(view[filled:])
         if not got:
-            raise ValueError(f"a plane frame ended {buf.size - filled} bytes early")
+            raise ValueError(f"a zstd frame ended {buf.size - filled} bytes early")
         filled += got
 
 
@@ -267,7 +285,9 @@ def _read_planes(
     return k, g, planes
 
 
-def _decode_planes(old: np.ndarray, blob: bytes, itemsize: int) -> np.ndarray:
+def _decode_planes(
+    old: np.ndarray, blob: bytes, itemsize: int, out: np.ndarray | None
+) -> np.ndarray:
     """New bytes from ``old`` and a ``planes`` blob, on ``k``-byte little-endian integers:
     ``new = old ^ group ^ (plane_g << 8g) ^ ...``, every cast inside numpy's ufuncs, a block of
     :data:`_BLOCK` elements at a time (zstd planes are streamed block by block).
@@ -278,7 +298,7 @@ def _decode_planes(old: np.ndarray, blob: bytes, itemsize: int) -> np.ndarray:
     """
     k, g, planes = _read_planes(blob, old.size, itemsize)
     n = old.size // k
-    out = np.empty_like(old)
+    out = np.empty_like(old) if out is None else out
     if g == k:  # every plane raw: the XOR itself
         raw = np.frombuffer(blob, dtype=np.uint8, count=old.size, offset=7)
         np.bitwise_xor(_wide(old), _wide(raw), out=_wide(out))
@@ -309,7 +329,7 @@ def _decode_planes(old: np.ndarray, blob: bytes, itemsize: int) -> np.ndarray:
             out_b = out_w[start:stop]
             if group is not None:
                 np.bitwise_xor(old_w[start:stop], group[start:stop], out=out_b)  # cast in ufunc
-            else:
+            elif out is not old:
                 np.copyto(out_b, old_w[start:stop])
             for j, raw, reader in sources:
                 if raw is not None:

@@ -698,8 +698,13 @@ class DiskDeltaTransport(WeightTransport):
                     old = np.fromfile(f, dtype=np.uint8, count=e.nbytes, offset=off)
                     if old.size != e.nbytes:
                         raise ValueError("local checkpoint file is truncated")
-                    new = decode_delta(
-                        old, blobs[e.name], itemsize=itemsize, encoding=e.encoding, layout=e.layout
+                    new = decode_delta(  # in place: old is this call's own copy
+                        old,
+                        blobs[e.name],
+                        itemsize=itemsize,
+                        encoding=e.encoding,
+                        layout=e.layout,
+                        out=old,
                     )
             except WeightSyncError:
                 raise
