@@ -4,7 +4,7 @@ A synthetic Llama-shaped model (~134M parameters: 268 MB in bf16, 536 MB in fp32
 real Adam steps (random gradients, lr 1e-6 and 1e-5, two warm-up steps then the measured step)
 and by a random perturbation. For each served dtype and update it measures:
 
-- bytes per version: full checkpoint vs XOR and overwrite deltas (zstd level 1);
+- bytes per version: full checkpoint vs XOR (``bytes`` layout) and overwrite deltas (zstd level 1);
   ``delta_ratio`` = delta bytes / full checkpoint bytes;
 - encode and apply throughput in GB/s of model bytes with 1 and 2 threads;
 - end-to-end publish-to-loaded latency of DiskDeltaTransport and DiskFullTransport;
@@ -13,12 +13,12 @@ and by a random perturbation. For each served dtype and update it measures:
 - adapter-only sync (``adapter_only``): a rank-16 LoRA adapter on all 7 projections of every
   layer, served in bf16 like the model, updated by Adam steps (lr 1e-5 and 1e-4): bytes per
   sync and publish/apply seconds of disk_full, disk_delta and broadcast, against the full model
-  synced the same way in the same run; ``bytes_ratio`` = adapter bytes / full checkpoint bytes.
-
-- xor payload layouts (``codec_layouts``): apply GB/s per core (thread CPU time) and wall GB/s
-  with 1 and 2 threads of the original single-frame layout (``bytes``) against byte planes
-  (``planes``, ``auto``) at zstd levels 1 and -1, on 128 MB of synthetic N(0, 0.02) weights
-  after a +-lr step (bf16 lr 1e-5, fp32 lr 1e-5, bf16 lr 1e-6), with delta/full ratios.
+  synced the same way in the same run; ``bytes_ratio`` = adapter bytes / full checkpoint bytes;
+- xor payload layouts (``codec_layouts``): apply GB/s per core (thread CPU time), wall GB/s with
+  1 and 2 threads, and in place, of the original single-frame layout (``bytes``) against byte
+  planes (``planes``, ``auto``) at zstd levels 1 and -1 (planes also at 7), on 128 MB of
+  synthetic N(0, 0.02) weights after a +-lr step (bf16 lr 1e-5, fp32 lr 1e-5, bf16 lr 1e-6),
+  with delta/full ratios and encode GB/s.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/weightsync.py [--small] [--adapter-only]``.
 ``--codec-only`` measures and prints only the layouts (``--write`` replaces their entry). Writes
@@ -153,7 +153,14 @@ LAYOUT_CASES = (
     ("fp32_lr1e-5", torch.float32, 1e-5),
     ("bf16_lr1e-6", torch.bfloat16, 1e-6),
 )
-LAYOUT_VARIANTS = (("bytes", 1), ("bytes", -1), ("planes", 1), ("planes", -1), ("auto", 1))
+LAYOUT_VARIANTS = (
+    ("bytes", 1),
+    ("bytes", -1),
+    ("planes", 1),
+    ("planes", -1),
+    ("planes", 7),
+    ("auto", 1),
+)
 
 
 def _step_bytes(nbytes: int, dtype: torch.dtype, lr: float, seed: int) -> tuple:
@@ -182,7 +189,8 @@ def _decode_all(items: list, isz: int, threads: int, into: list | None = None) -
 
 def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dict]:
     """Apply (decode) throughput and size of the xor layouts (``bytes``: the original single
-    zstd frame; ``planes``; ``auto``) at zstd levels 1 and -1, on ``tensors`` synthetic tensors
+    zstd frame; ``planes``; ``auto``) at zstd levels 1 and -1 (planes also at 7: slower to
+    encode, fewer and longer matches to decode), on ``tensors`` synthetic tensors
     of ``total_bytes`` in all per case.
 
     ``apply_gbps_1t_cpu`` = model bytes / CPU seconds of the decoding thread (per core, and the
@@ -196,12 +204,14 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
         isz = torch.empty((), dtype=dtype).element_size()
         pairs = [_step_bytes(total_bytes // tensors, dtype, lr, seed) for seed in range(tensors)]
         full = sum(o.size for o, _ in pairs)
-        blobs = {}
+        blobs, encode_s = {}, {}
         for layout, level in LAYOUT_VARIANTS:
+            c0 = time.thread_time()
             enc = [
                 encode_delta(o, n, itemsize=isz, encoding="xor", level=level, layout=layout)
                 for o, n in pairs
             ]
+            encode_s[layout, level] = time.thread_time() - c0
             used = [layout_of(b) for b in enc]
             for (o, n), b, u in zip(pairs, enc, used):
                 out = decode_delta(o, b, itemsize=isz, encoding="xor", layout=u)
@@ -238,6 +248,7 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
                     "apply_gbps_1t": full / b["wall1"] / 1e9,
                     "apply_gbps_2t": full / b["wall2"] / 1e9,
                     "apply_inplace_gbps_1t_cpu": full / b["inplace"] / 1e9,
+                    "encode_gbps_1t_cpu": full / encode_s[layout, level] / 1e9,
                 }
             )
         del pairs, blobs
@@ -245,13 +256,13 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
 
 
 def print_layouts(rows: list[dict]) -> None:
-    hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s} {'in place 1t cpu':>15s}  (GB/s)"
+    hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s} {'in place 1t cpu':>15s} {'encode 1t cpu':>13s}  (GB/s)"
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         print(
             f"{r['case']:12s} {r['layout']:7s} {r['zstd_level']:3d} {r['delta_ratio']:10.3f} "
             f"{r['apply_gbps_1t_cpu']:12.2f} {r['apply_gbps_1t']:8.2f} {r['apply_gbps_2t']:8.2f} "
-            f"{r['apply_inplace_gbps_1t_cpu']:15.2f}"
+            f"{r['apply_inplace_gbps_1t_cpu']:15.2f} {r['encode_gbps_1t_cpu']:13.2f}"
         )
 
 
