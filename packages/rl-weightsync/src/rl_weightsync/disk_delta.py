@@ -741,7 +741,9 @@ class DiskDeltaTransport(WeightTransport):
                 fd = os.open(f, os.O_WRONLY)
                 try:
                     for off, new in patches:
-                        os.pwrite(fd, new.tobytes(), off)
+                        view, done = memoryview(new), 0  # no copy; a write may be partial
+                        while done < len(view):
+                            done += os.pwrite(fd, view[done:], off + done)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
