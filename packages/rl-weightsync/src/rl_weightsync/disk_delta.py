@@ -207,7 +207,8 @@ class DiskDeltaTransport(WeightTransport):
         """Layout of ``xor`` payloads: ``bytes`` (one zstd frame of the XOR; the original
         format), ``planes`` (byte planes, near-random ones stored raw: faster to apply, smaller)
         or ``auto`` (planes, or bytes for a very sparse XOR where one frame applies faster).
-        Receivers read every layout; the manifest records each tensor's."""
+        Receivers read every layout; the manifest records each tensor's. Receivers from before
+        this field read only ``bytes``: publish ``bytes`` until every receiver is upgraded."""
         checksum: str = "xxh3_128"
         """Checksum of each changed tensor's new bytes."""
         serve_dtype: str | None = None
