@@ -547,6 +547,7 @@ def main() -> None:
         if args.write:
             result = json.loads(RESULTS.read_text())
             result["codec_layouts"] = {
+                "bytes_per_case": layout_bytes,
                 "rows": layouts,
                 "loadavg_1m_before_after": [load_before[0], load_after],
             }
@@ -653,6 +654,7 @@ def main() -> None:
         "broadcast_ratio": bcast["broadcast_ratio"],
         "adapter_only": adapter,
         "codec_layouts": {
+            "bytes_per_case": layout_bytes,
             "rows": layouts,
             "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         },
