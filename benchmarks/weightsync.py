@@ -4,7 +4,7 @@ A synthetic Llama-shaped model (~134M parameters: 268 MB in bf16, 536 MB in fp32
 real Adam steps (random gradients, lr 1e-6 and 1e-5, two warm-up steps then the measured step)
 and by a random perturbation. For each served dtype and update it measures:
 
-- bytes per version: full checkpoint vs XOR and overwrite deltas (zstd level 1);
+- bytes per version: full checkpoint vs XOR (``bytes`` layout) and overwrite deltas (zstd level 1);
   ``delta_ratio`` = delta bytes / full checkpoint bytes;
 - encode and apply throughput in GB/s of model bytes with 1 and 2 threads;
 - end-to-end publish-to-loaded latency of DiskDeltaTransport and DiskFullTransport;
@@ -13,9 +13,15 @@ and by a random perturbation. For each served dtype and update it measures:
 - adapter-only sync (``adapter_only``): a rank-16 LoRA adapter on all 7 projections of every
   layer, served in bf16 like the model, updated by Adam steps (lr 1e-5 and 1e-4): bytes per
   sync and publish/apply seconds of disk_full, disk_delta and broadcast, against the full model
-  synced the same way in the same run; ``bytes_ratio`` = adapter bytes / full checkpoint bytes.
+  synced the same way in the same run; ``bytes_ratio`` = adapter bytes / full checkpoint bytes;
+- xor payload layouts (``codec_layouts``): apply GB/s per core (thread CPU time), wall GB/s with
+  1 and 2 threads, and in place, of the original single-frame layout (``bytes``) against byte
+  planes (``planes``, ``auto``) at zstd levels 1 and -1 (planes also at 7), on 128 MB of
+  synthetic N(0, 0.02) weights after a +-lr step (bf16 lr 1e-5, fp32 lr 1e-5, bf16 lr 1e-6),
+  with delta/full ratios and encode GB/s.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/weightsync.py [--small] [--adapter-only]``. Writes
+Run: ``OMP_NUM_THREADS=1 python benchmarks/weightsync.py [--small] [--adapter-only]``.
+``--codec-only`` measures and prints only the layouts (``--write`` replaces their entry). Writes
 ``benchmarks/results/weightsync.json``; ``--adapter-only`` measures only the adapter case and
 replaces the ``adapter_only`` entry of the existing file (the other entries stay as they were
 measured). Not a test; takes a few minutes on 2 cores (the adapter case alone about one).
@@ -39,6 +45,7 @@ import torch
 
 from rl_core.lora import LoRAConfig, peft_name, with_adapter
 from rl_core.types import WeightUpdate
+from rl_weightsync._codec import layout_of
 from rl_weightsync.checksum import tensor_bytes
 from rl_weightsync.disk_delta import DiskDeltaTransport, decode_delta, encode_delta
 from rl_weightsync.disk_full import DiskFullTransport
@@ -139,6 +146,124 @@ def codec_case(old: dict, new: dict, dtype: torch.dtype) -> dict:
         assert all(o.tobytes() == new_b[n].tobytes() for (n, _), o in zip(pairs[:3], outs[:3]))
     row["delta_ratio"] = row["xor_delta_ratio"]
     return row
+
+
+LAYOUT_CASES = (
+    ("bf16_lr1e-5", torch.bfloat16, 1e-5),
+    ("fp32_lr1e-5", torch.float32, 1e-5),
+    ("bf16_lr1e-6", torch.bfloat16, 1e-6),
+)
+LAYOUT_VARIANTS = (
+    ("bytes", 1),
+    ("bytes", -1),
+    ("planes", 1),
+    ("planes", -1),
+    ("planes", 7),
+    ("auto", 1),
+)
+
+
+def _step_bytes(nbytes: int, dtype: torch.dtype, lr: float, seed: int) -> tuple:
+    """Raw bytes of N(0, 0.02) weights before and after an Adam-like +-lr step on every element."""
+    n = nbytes // torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * 0.02
+    step = torch.where(torch.rand(n, generator=g) < 0.5, -lr, lr)
+    return tensor_bytes(w.to(dtype)), tensor_bytes((w + step).to(dtype))
+
+
+def _decode_all(items: list, isz: int, threads: int, into: list | None = None) -> list:
+    """Decode every (pair, blob, layout) of ``items``; in place into ``into`` when given."""
+    if into is not None:
+        return [
+            decode_delta(c, b, itemsize=isz, encoding="xor", layout=u, out=c)
+            for (_, b, u), c in zip(items, into)
+        ]
+
+    def one(item):
+        (o, _), b, u = item
+        return decode_delta(o, b, itemsize=isz, encoding="xor", layout=u)
+
+    return [one(it) for it in items] if threads == 1 else _pool_map(one, items, threads)
+
+
+def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dict]:
+    """Apply (decode) throughput and size of the xor layouts (``bytes``: the original single
+    zstd frame; ``planes``; ``auto``) at zstd levels 1 and -1 (planes also at 7: slower to
+    encode, fewer and longer matches to decode), on ``tensors`` synthetic tensors
+    of ``total_bytes`` in all per case.
+
+    ``apply_gbps_1t_cpu`` = model bytes / CPU seconds of the decoding thread (per core, and the
+    least disturbed by other work on the machine); ``apply_gbps_1t`` and ``apply_gbps_2t`` are
+    wall-clock with 1 and 2 threads over the tensors; ``apply_inplace_gbps_1t_cpu`` decodes into
+    a copy of the old bytes (``out=old``), as ``DiskDeltaTransport`` does with the bytes it reads. Variants are interleaved within each of
+    ``reps`` rounds; each number is the best round.
+    """
+    rows = []
+    for case, dtype, lr in LAYOUT_CASES:
+        isz = torch.empty((), dtype=dtype).element_size()
+        pairs = [_step_bytes(total_bytes // tensors, dtype, lr, seed) for seed in range(tensors)]
+        full = sum(o.size for o, _ in pairs)
+        blobs, encode_s = {}, {}
+        for layout, level in LAYOUT_VARIANTS:
+            c0 = time.thread_time()
+            enc = [
+                encode_delta(o, n, itemsize=isz, encoding="xor", level=level, layout=layout)
+                for o, n in pairs
+            ]
+            encode_s[layout, level] = time.thread_time() - c0
+            used = [layout_of(b) for b in enc]
+            for (o, n), b, u in zip(pairs, enc, used):
+                out = decode_delta(o, b, itemsize=isz, encoding="xor", layout=u)
+                assert out.tobytes() == n.tobytes(), (case, layout, level)
+            blobs[layout, level] = list(zip(pairs, enc, used))
+        best = {v: {"cpu1": 1e9, "wall1": 1e9, "wall2": 1e9, "inplace": 1e9} for v in blobs}
+
+        for _ in range(reps):
+            for v, items in blobs.items():
+                c0, t0 = time.thread_time(), time.perf_counter()
+                _decode_all(items, isz, 1)
+                c1, t1 = time.thread_time(), time.perf_counter()
+                best[v]["cpu1"] = min(best[v]["cpu1"], c1 - c0)
+                best[v]["wall1"] = min(best[v]["wall1"], t1 - t0)
+                t0 = time.perf_counter()
+                _decode_all(items, isz, 2)
+                best[v]["wall2"] = min(best[v]["wall2"], time.perf_counter() - t0)
+                copies = [o.copy() for (o, _), _, _ in items]  # as the receiver reads them
+                c0 = time.thread_time()
+                _decode_all(items, isz, 1, into=copies)
+                best[v]["inplace"] = min(best[v]["inplace"], time.thread_time() - c0)
+                del copies
+        for (layout, level), items in blobs.items():
+            b = best[layout, level]
+            rows.append(
+                {
+                    "case": case,
+                    "layout": layout,
+                    "zstd_level": level,
+                    "layouts_used": sorted({u for *_, u in items}),
+                    "full_bytes": full,
+                    "delta_ratio": sum(len(blob) for _, blob, _ in items) / full,
+                    "apply_gbps_1t_cpu": full / b["cpu1"] / 1e9,
+                    "apply_gbps_1t": full / b["wall1"] / 1e9,
+                    "apply_gbps_2t": full / b["wall2"] / 1e9,
+                    "apply_inplace_gbps_1t_cpu": full / b["inplace"] / 1e9,
+                    "encode_gbps_1t_cpu": full / encode_s[layout, level] / 1e9,
+                }
+            )
+        del pairs, blobs
+    return rows
+
+
+def print_layouts(rows: list[dict]) -> None:
+    hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s} {'in place 1t cpu':>15s} {'encode 1t cpu':>13s}  (GB/s)"
+    print("\n" + hdr + "\n" + "-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r['case']:12s} {r['layout']:7s} {r['zstd_level']:3d} {r['delta_ratio']:10.3f} "
+            f"{r['apply_gbps_1t_cpu']:12.2f} {r['apply_gbps_1t']:8.2f} {r['apply_gbps_2t']:8.2f} "
+            f"{r['apply_inplace_gbps_1t_cpu']:15.2f} {r['encode_gbps_1t_cpu']:13.2f}"
+        )
 
 
 def disk_latency(old: dict, new: dict, serve: str, root: Path) -> dict:
@@ -403,9 +528,32 @@ def main() -> None:
         action="store_true",
         help="measure only the adapter-only case; replace its entry in the results file",
     )
+    ap.add_argument(
+        "--codec-only",
+        action="store_true",
+        help="measure only the xor layouts (codec_layouts) and print them; with --write also "
+        "replace that entry of the results file",
+    )
+    ap.add_argument("--write", action="store_true", help="with --codec-only: update the file")
     args = ap.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
+    layout_bytes = (32 << 20) if args.small else (128 << 20)
+    if args.codec_only:
+        layouts = codec_layouts(layout_bytes)
+        print_layouts(layouts)
+        load_after = os.getloadavg()[0]
+        print(f"load average (1 min) before/after: {load_before[0]:.2f}/{load_after:.2f}")
+        if args.write:
+            result = json.loads(RESULTS.read_text())
+            result["codec_layouts"] = {
+                "bytes_per_case": layout_bytes,
+                "rows": layouts,
+                "loadavg_1m_before_after": [load_before[0], load_after],
+            }
+            RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"updated codec_layouts in {RESULTS}")
+        return
     dims = (256, 4, 704, 8000) if args.small else (768, 12, 2048, 32000)
     shapes = model_shapes(*dims)
     master = init_model(shapes)
@@ -461,6 +609,7 @@ def main() -> None:
                     **disk_latency(old, new, "bfloat16", Path(d)),
                 }
         del old, new
+    layouts = codec_layouts(layout_bytes)
     bnbytes = (32 << 20) if args.small else (256 << 20)
     bcast = broadcast_case(bnbytes, bucket=64 << 20, reps=3)
     adapter = adapter_case(master)
@@ -482,6 +631,7 @@ def main() -> None:
         f"broadcast_ratio {bcast['broadcast_ratio']:.2f}"
     )
     print_adapter(adapter)
+    print_layouts(layouts)
     result = {
         "benchmark": "weightsync",
         "machine": {
@@ -503,6 +653,11 @@ def main() -> None:
         "broadcast": bcast,
         "broadcast_ratio": bcast["broadcast_ratio"],
         "adapter_only": adapter,
+        "codec_layouts": {
+            "bytes_per_case": layout_bytes,
+            "rows": layouts,
+            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        },
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -319,3 +319,67 @@ def test_name_set_change_is_a_full_version_refused_by_a_holding_receiver(
     fresh.apply(u2, new_target)
     assert_bitwise_equal(new_target.tensors, w2)
     assert_bitwise_equal(load_file(str(tmp_path / "fresh" / "model.safetensors")), w2)
+
+
+class TestDiskDeltaPlanesConformance(TestDiskDeltaConformance):
+    @pytest.fixture
+    def transport(self, tmp_path: Path) -> DiskDeltaTransport:
+        return DiskDeltaTransport(
+            DiskDeltaTransport.Config(directory=tmp_path / "sync", layout="planes")
+        )
+
+
+def _entries(update: WeightUpdate) -> list[dict]:
+    return [
+        json.loads(line.rstrip(","))
+        for line in (Path(update.location) / "manifest.json").read_text().splitlines()[1:-1]
+    ]
+
+
+@pytest.mark.parametrize("layout", ["bytes", "planes"])
+def test_layout_recorded_per_entry_and_both_apply(tmp_path: Path, layout: str) -> None:
+    """``planes`` is named in each entry; ``bytes`` writes entries exactly as before the field
+    existed (no ``layout`` key), and a receiver applies both bitwise."""
+    sender, receiver = _pair(tmp_path, layout=layout)
+    w1 = {"a": torch.randn(64, 32).to(torch.bfloat16), "b": torch.randn(33)}
+    w2 = {k: (v.float() + 1e-2 * torch.randn(v.shape)).to(v.dtype) for k, v in w1.items()}
+    target = DictTarget()
+    receiver.apply(sender.publish(1, w1.items()), target)
+    u2 = sender.publish(2, w2.items())
+    rows = _entries(u2)
+    assert len(rows) == 2 and all(r["encoding"] == "xor" for r in rows)
+    if layout == "bytes":
+        assert all("layout" not in r for r in rows)
+    else:
+        assert all(r["layout"] == "planes" for r in rows)
+    receiver.apply(u2, target)
+    assert_bitwise_equal(target.tensors, w2)
+    assert_bitwise_equal(load_file(str(tmp_path / "local" / "model.safetensors")), w2)
+
+
+def test_layout_mismatch_or_unknown_layout_refused(tmp_path: Path, edit_manifest) -> None:
+    sender, receiver = _pair(tmp_path, keep_versions=5, layout="planes")
+    w1 = sample_weights()
+    target = DictTarget()
+    receiver.apply(sender.publish(1, w1.items()), target)
+    u2 = sender.publish(2, next_weights(w1, 2).items())
+    local_bytes = (tmp_path / "local" / "model.safetensors").read_bytes()
+    assert {r.get("layout") for r in _entries(u2)} == {"planes"}
+
+    def as_bytes(m: dict) -> None:
+        m["tensors"][0].pop("layout")
+
+    edit_manifest(Path(u2.location), as_bytes)
+    with pytest.raises(WeightSyncError, match="cannot decode its xor payload"):
+        receiver.apply(u2, target)
+    _assert_intact(tmp_path, target, w1, local_bytes)
+
+    def unknown(m: dict) -> None:
+        m["tensors"][0]["layout"] = "columns"
+
+    edit_manifest(Path(u2.location), unknown)
+    with pytest.raises(WeightSyncError, match="layout 'columns'.*same version on sender"):
+        receiver.apply(u2, target)
+    _assert_intact(tmp_path, target, w1, local_bytes)
+    with pytest.raises(WeightSyncError, match="Config.layout"):
+        DiskDeltaTransport(DiskDeltaTransport.Config(directory=tmp_path, layout="columns"))

@@ -16,9 +16,11 @@ a directory ``weight_v000008/`` with ``delta.bin`` (one zstd frame per changed t
 
 Encodings: ``xor`` (default; the XOR of old and new bytes, mostly zero bits after a small
 optimizer step; must be applied exactly once on the right base) or ``overwrite`` (positions and
-new values of the changed elements; idempotent). A full version (the first publish, every
-``full_every`` versions, after a sender restart, or when the set of tensor names changes) resets
-the chain: receivers on any older version can take it and later deltas build on it.
+new values of the changed elements; idempotent). An ``xor`` payload is one zstd frame of the XOR
+(layout ``bytes``) or its byte planes (``planes``; see ``Config.layout`` and ``_codec``). A full
+version (the first publish, every ``full_every`` versions, after a sender restart, or when the
+set of tensor names changes) resets the chain: receivers on any older version can take it and
+later deltas build on it.
 
 A receiver refuses a delta whose base is not its current version or whose name set differs from
 its local checkpoint's, verifies the manifest (its own checksum, counts, names), that the entries
@@ -55,7 +57,7 @@ from rl_core.interfaces import WeightTarget, WeightTransport
 from rl_core.lora import adapter_of
 from rl_core.types import WeightUpdate
 from rl_weightsync import _fs
-from rl_weightsync._codec import _compressor, decode_delta, encode_delta
+from rl_weightsync._codec import LAYOUTS, _compressor, decode_delta, encode_delta, layout_of
 from rl_weightsync.adapter import (
     ADAPTER,
     check_delta_base,
@@ -201,6 +203,12 @@ class DiskDeltaTransport(WeightTransport):
         """``xor`` (apply exactly once) or ``overwrite`` (positions + values; idempotent)."""
         zstd_level: Annotated[int, Range(ge=-131072, le=22)] = 1
         """zstd compression level of the delta payloads."""
+        layout: str = "auto"
+        """Layout of ``xor`` payloads: ``bytes`` (one zstd frame of the XOR; the original
+        format), ``planes`` (byte planes, near-random ones stored raw: faster to apply, smaller)
+        or ``auto`` (planes, or bytes for a very sparse XOR where one frame applies faster).
+        Receivers read every layout; the manifest records each tensor's. Receivers from before
+        this field read only ``bytes``: publish ``bytes`` until every receiver is upgraded."""
         checksum: str = "xxh3_128"
         """Checksum of each changed tensor's new bytes."""
         serve_dtype: str | None = None
@@ -226,6 +234,10 @@ class DiskDeltaTransport(WeightTransport):
         if c.encoding not in _ENCODINGS:
             raise WeightSyncError(
                 f"DiskDeltaTransport.Config.encoding: {c.encoding!r} is not one of {_ENCODINGS}"
+            )
+        if c.layout not in (*LAYOUTS, "auto"):
+            raise WeightSyncError(
+                f"DiskDeltaTransport.Config.layout: {c.layout!r} is not one of {(*LAYOUTS, 'auto')}"
             )
         if c.checksum not in CHECKSUM_ALGORITHMS:
             raise WeightSyncError(
@@ -350,24 +362,26 @@ class DiskDeltaTransport(WeightTransport):
 
     def _encode_one(
         self, item: tuple[str, torch.Tensor], snap: dict[str, torch.Tensor]
-    ) -> tuple[str, str, bytes] | None:
+    ) -> tuple[str, str, str, bytes] | None:
         name, new = item
         new_b = tensor_bytes(new)
         old = snap.get(name)
         level = self.config.zstd_level
         if old is None or old.dtype != new.dtype or old.shape != new.shape:
             blob = _compressor(level).compress(new_b)
-            return name, "full", blob
+            return name, "full", "bytes", blob
+        enc = self.config.encoding
         blob = encode_delta(
             tensor_bytes(old),
             new_b,
             itemsize=new.element_size(),
-            encoding=self.config.encoding,
+            encoding=enc,
             level=level,
+            layout=self.config.layout,
         )
         if blob is None:
             return None
-        return name, self.config.encoding, blob
+        return name, enc, layout_of(blob) if enc == "xor" else "bytes", blob
 
     def _publish_delta(
         self,
@@ -389,7 +403,7 @@ class DiskDeltaTransport(WeightTransport):
                 )
             )
         entries, offset = [], 0
-        for (name, enc, blob), digest in zip(changed, sums):
+        for (name, enc, layout, blob), digest in zip(changed, sums):
             t = by_name[name]
             entries.append(
                 TensorEntry(
@@ -399,6 +413,7 @@ class DiskDeltaTransport(WeightTransport):
                     checksum=digest,
                     file=DELTA_FILE,
                     encoding=enc,
+                    layout=layout,
                     offset=offset,
                     length=len(blob),
                 )
@@ -417,12 +432,13 @@ class DiskDeltaTransport(WeightTransport):
                 "full_bytes": full_bytes,
                 "compression": "zstd",
                 "encoding": self.config.encoding,
+                "layout": self.config.layout,
                 **kind,
             },
         )
         with _fs.staged_version(self.directory, version) as tmp:
             with open(tmp / DELTA_FILE, "wb") as f:
-                for _, _, blob in changed:
+                for *_, blob in changed:
                     f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
@@ -683,7 +699,14 @@ class DiskDeltaTransport(WeightTransport):
                     old = np.fromfile(f, dtype=np.uint8, count=e.nbytes, offset=off)
                     if old.size != e.nbytes:
                         raise ValueError("local checkpoint file is truncated")
-                    new = decode_delta(old, blobs[e.name], itemsize=itemsize, encoding=e.encoding)
+                    new = decode_delta(  # in place: old is this call's own copy
+                        old,
+                        blobs[e.name],
+                        itemsize=itemsize,
+                        encoding=e.encoding,
+                        layout=e.layout,
+                        out=old,
+                    )
             except WeightSyncError:
                 raise
             except (ValueError, zstandard.ZstdError) as exc:
@@ -719,7 +742,9 @@ class DiskDeltaTransport(WeightTransport):
                 fd = os.open(f, os.O_WRONLY)
                 try:
                     for off, new in patches:
-                        os.pwrite(fd, new.tobytes(), off)
+                        view, done = memoryview(new), 0  # no copy; a write may be partial
+                        while done < len(view):
+                            done += os.pwrite(fd, view[done:], off + done)
                     os.fsync(fd)
                 finally:
                     os.close(fd)

@@ -11,7 +11,11 @@ name, dtype, shape, file and checksum of the *new* bytes; it ends with a checksu
      "names": ["lm_head.weight", "model.layers.0.mlp.up_proj.weight"],
      "tensors": [{"name": "model.layers.0.mlp.up_proj.weight", "dtype": "bfloat16",
                   "shape": [64, 16], "checksum": "xxh3_128:...", "file": "delta.bin",
-                  "encoding": "xor", "offset": 0, "length": 731}]}
+                  "encoding": "xor", "layout": "planes", "offset": 0, "length": 731}]}
+
+``layout`` (how an ``xor`` payload is laid out: ``bytes``, one zstd frame of the XOR, or
+``planes``, its byte planes; see :mod:`rl_weightsync._codec`) is written only when it is not
+``bytes``, so manifests of the original layout are unchanged and still read.
 
 ``manifest_checksum`` is the xxh3-128 of the canonical JSON of every other field (keys sorted,
 no whitespace), so an edited, truncated or reordered manifest is refused before anything in it is
@@ -56,6 +60,7 @@ MANIFEST_FORMAT_VERSION = 2
 MANIFEST_CHECKSUM = "xxh3_128"
 """Algorithm of the manifest's checksum of itself."""
 _ENTRY_ENCODINGS = ("full", "xor", "overwrite")
+_ENTRY_LAYOUTS = ("bytes", "planes")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -134,6 +139,8 @@ class TensorEntry:
     """File holding the payload, relative to the manifest's directory."""
     encoding: str = "full"
     """``full`` (plain bytes), ``xor`` or ``overwrite`` (deltas)."""
+    layout: str = "bytes"
+    """Payload layout: ``bytes`` (one zstd frame), or ``planes`` (byte planes; ``xor`` only)."""
     offset: int = 0
     """Byte offset of the payload in ``file`` (delta files)."""
     length: int = 0
@@ -180,6 +187,7 @@ def _entry(raw: Any, where: str) -> TensorEntry:
         checksum=_get(raw, "checksum", str, where),
         file=_get(raw, "file", str, where),
         encoding=_get(raw, "encoding", str, where),
+        layout=_get(raw, "layout", str, where) if "layout" in raw else "bytes",
         offset=_get(raw, "offset", int, where),
         length=_get(raw, "length", int, where),
     )
@@ -231,6 +239,7 @@ class Manifest:
                     "checksum": e.checksum,
                     "file": e.file,
                     "encoding": e.encoding,
+                    **({"layout": e.layout} if e.layout != "bytes" else {}),
                     "offset": e.offset,
                     "length": e.length,
                 }
@@ -353,6 +362,13 @@ class Manifest:
                 raise WeightSyncError(
                     f"{where}: tensor {e.name!r} has encoding {e.encoding!r}; expected one of "
                     f"{_ENTRY_ENCODINGS} ('full' in a full checkpoint)"
+                )
+            if e.layout not in _ENTRY_LAYOUTS or (e.layout != "bytes" and e.encoding != "xor"):
+                raise WeightSyncError(
+                    f"{where}: tensor {e.name!r} has layout {e.layout!r} with encoding "
+                    f"{e.encoding!r}; expected one of {_ENTRY_LAYOUTS} ('planes' only for xor). "
+                    "The manifest is corrupt or from a newer rl-weightsync: use the same version "
+                    "on sender and receivers"
                 )
         return cls(
             version=version,
