@@ -150,6 +150,12 @@ class HFGenerator(Generator):
         demo model. Used when the model qualifies (``llama``, ``qwen2``, ``qwen3``, ``mistral``
         with full attention) and no LoRA adapter, routing record or forward hook is in play;
         otherwise, or when false, the transformers path runs."""
+        threads: NonNegInt = 0
+        """torch intra-op threads of the worker thread that generates (0: the process's count).
+        With the trainer in the same process (async rollouts), 1 here leaves the other cores to
+        the trainer's threads instead of oversubscribing them. Set with ``torch.set_num_threads``
+        in the worker, which also makes it the count of threads started after it that do not
+        set their own (the trainer's threads do)."""
 
         def __post_init__(self) -> None:
             if self.dtype not in _DTYPES:
@@ -508,6 +514,8 @@ class HFGenerator(Generator):
             self._cond.notify_all()
 
     def _work(self) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
         while True:
             with self._cond:
                 while not self._closed and (
