@@ -256,6 +256,7 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
 
 
 def print_layouts(rows: list[dict]) -> None:
+    """The codec-layout table (one row per case, layout and zstd level; GB/s)."""
     hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s} {'in place 1t cpu':>15s} {'encode 1t cpu':>13s}  (GB/s)"
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
