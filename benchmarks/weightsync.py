@@ -255,6 +255,15 @@ def codec_layouts(total_bytes: int, tensors: int = 4, reps: int = 7) -> list[dic
     return rows
 
 
+def layouts_entry(rows: list[dict], bytes_per_case: int, load_before: float) -> dict:
+    """The ``codec_layouts`` entry of the results file (load average now taken as "after")."""
+    return {
+        "bytes_per_case": bytes_per_case,
+        "rows": rows,
+        "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+    }
+
+
 def print_layouts(rows: list[dict]) -> None:
     """The codec-layout table (one row per case, layout and zstd level; GB/s)."""
     hdr = f"{'case':12s} {'layout':7s} {'lvl':>3s} {'delta/full':>10s} {'apply 1t cpu':>12s} {'1t wall':>8s} {'2t wall':>8s} {'in place 1t cpu':>15s} {'encode 1t cpu':>13s}  (GB/s)"
@@ -543,15 +552,15 @@ def main() -> None:
     if args.codec_only:
         layouts = codec_layouts(layout_bytes)
         print_layouts(layouts)
-        load_after = os.getloadavg()[0]
-        print(f"load average (1 min) before/after: {load_before[0]:.2f}/{load_after:.2f}")
+        entry = layouts_entry(layouts, layout_bytes, load_before[0])
+        print(
+            "load average (1 min) before/after: {:.2f}/{:.2f}".format(
+                *entry["loadavg_1m_before_after"]
+            )
+        )
         if args.write:
             result = json.loads(RESULTS.read_text())
-            result["codec_layouts"] = {
-                "bytes_per_case": layout_bytes,
-                "rows": layouts,
-                "loadavg_1m_before_after": [load_before[0], load_after],
-            }
+            result["codec_layouts"] = entry
             RESULTS.write_text(json.dumps(result, indent=2) + "\n")
             print(f"updated codec_layouts in {RESULTS}")
         return
@@ -654,11 +663,7 @@ def main() -> None:
         "broadcast": bcast,
         "broadcast_ratio": bcast["broadcast_ratio"],
         "adapter_only": adapter,
-        "codec_layouts": {
-            "bytes_per_case": layout_bytes,
-            "rows": layouts,
-            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-        },
+        "codec_layouts": layouts_entry(layouts, layout_bytes, load_before[0]),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -47,6 +47,24 @@ FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``model_type`` values whose decoder layer :class:`LeanDecoder` reimplements."""
 
 
+def _projections(layer: Any) -> tuple[Any, ...]:
+    """A decoder layer's q/k/v/o and gate/up/down projections, in that order (``None`` for a
+    missing MLP projection)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        *(getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")),
+    )
+
+
+def _plain(mods: tuple[Any, ...]) -> bool:
+    """Whether every module is a plain ``torch.nn.Linear`` (not peft-wrapped, not missing)."""
+    return all(type(m) is torch.nn.Linear for m in mods)
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why ``model`` cannot run on :class:`LeanDecoder` (a sentence), or ``None`` if it can."""
     cfg = getattr(model, "config", None)
@@ -69,12 +87,9 @@ def unsupported_reason(model: Any) -> str | None:
     if type(inner.embed_tokens) is not torch.nn.Embedding:
         return "the input embedding is not a plain torch.nn.Embedding"
     for i, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(m) is not torch.nn.Linear for m in mods):
+        if not _plain(_projections(layer)):
             return f"layer {i} has projections that are not plain torch.nn.Linear (adapters?)"
-        if (getattr(attn, "q_norm", None) is None) != (kind != "qwen3"):
+        if (getattr(layer.self_attn, "q_norm", None) is None) != (kind != "qwen3"):
             return f"layer {i}'s q_norm does not match model_type {kind!r}"
     if type(model.lm_head) is not torch.nn.Linear:
         return "lm_head is not a plain torch.nn.Linear"
@@ -186,9 +201,8 @@ class LeanDecoder:
         out = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-            mods += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(type(m) is not torch.nn.Linear for m in mods):
+            mods = _projections(layer)
+            if not _plain(mods):
                 return None  # adapted since build (peft wraps the projections in place)
             q, k, v, o, g, u, d = mods
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)

@@ -122,9 +122,10 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         default, and faster), ``"fused"`` (fastest, equal within float rounding; TRL's default)."""
         compile_model: bool = False
         """``torch.compile`` the model (inductor, dynamic shapes: packed token counts that change
-        every step reuse the graph) at ``compile_scope``. The first train step pays the compile
-        (on 2 CPU cores ~27 s cold, ~8 s with inductor's on-disk cache warm, for the demo model's
-        layers), later steps are faster (docs/performance.md §7); values equal within float
+        every step reuse the graph) at ``compile_scope``. Building the policy pays the compile
+        (``compile_warmup``; else the first train step): on 2 CPU cores ~27 s cold, ~8-12 s with
+        inductor's on-disk cache warm, for the demo model's layers; later steps are faster
+        (docs/performance.md §7); values equal within float
         rounding, so fixed-seed curves differ from eager. Off by default: it wins on runs long
         enough to pay the compile back."""
         compile_warmup: bool = True

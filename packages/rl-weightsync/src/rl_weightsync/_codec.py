@@ -304,19 +304,16 @@ def _decode_planes(
     """
     k, g, planes = _read_planes(blob, old.size, itemsize)
     n = old.size // k
+    group_off = 7 + (k - g) * _PLANE_HEAD.size  # the raw group follows the plane heads
     out = np.empty_like(old) if out is None else out
     if g == k:  # every plane raw: the XOR itself
-        raw = np.frombuffer(blob, dtype=np.uint8, count=old.size, offset=7)
+        raw = np.frombuffer(blob, dtype=np.uint8, count=old.size, offset=group_off)
         np.bitwise_xor(_wide(old), _wide(raw), out=_wide(out))
         return out
     w = _le(k)
     old_w, out_w = old.view(w), out.view(w)
     mv = memoryview(blob)
-    group = (
-        np.frombuffer(blob, dtype=_le(g), count=n, offset=7 + (k - g) * _PLANE_HEAD.size)
-        if g
-        else None
-    )
+    group = np.frombuffer(blob, dtype=_le(g), count=n, offset=group_off) if g else None
     with contextlib.ExitStack() as stack:
         sources: list[tuple[int, np.ndarray | None, Any]] = []
         for j, (mode, off, length) in zip(range(g, k), planes, strict=True):

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from rl_core.errors import WeightSyncError
+from rl_weightsync._codec import LAYOUTS
 from rl_weightsync.checksum import CHECKSUM_ALGORITHMS, bytes_checksum
 
 __all__ = [
@@ -60,7 +61,6 @@ MANIFEST_FORMAT_VERSION = 2
 MANIFEST_CHECKSUM = "xxh3_128"
 """Algorithm of the manifest's checksum of itself."""
 _ENTRY_ENCODINGS = ("full", "xor", "overwrite")
-_ENTRY_LAYOUTS = ("bytes", "planes")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -363,10 +363,10 @@ class Manifest:
                     f"{where}: tensor {e.name!r} has encoding {e.encoding!r}; expected one of "
                     f"{_ENTRY_ENCODINGS} ('full' in a full checkpoint)"
                 )
-            if e.layout not in _ENTRY_LAYOUTS or (e.layout != "bytes" and e.encoding != "xor"):
+            if e.layout not in LAYOUTS or (e.layout != "bytes" and e.encoding != "xor"):
                 raise WeightSyncError(
                     f"{where}: tensor {e.name!r} has layout {e.layout!r} with encoding "
-                    f"{e.encoding!r}; expected one of {_ENTRY_LAYOUTS} ('planes' only for xor). "
+                    f"{e.encoding!r}; expected one of {LAYOUTS} ('planes' only for xor). "
                     "The manifest is corrupt or from a newer rl-weightsync: use the same version "
                     "on sender and receivers"
                 )
