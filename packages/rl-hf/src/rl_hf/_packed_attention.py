@@ -16,6 +16,13 @@ to 0 at every sequence start. Attention must not cross sequences. Two exact ways
 :class:`PackingInfo` picks the cheaper one per micro-batch. The attention function is registered
 in transformers' ``AttentionInterface`` as :data:`ATTN_NAME`; because that name has no mask
 function, transformers builds no mask of its own (no ``[T, T]`` work outside attention).
+
+Shared prefixes (:class:`SharedPrefix`, ``HFPolicy.Config.share_prefix``): the samples of a GRPO
+group repeat their prompt. The model then runs on a compact row of ``C`` tokens holding each
+group's prompt once, followed by every sample's own tokens (positions as in the sample); in the
+padded layout every sample's row reads the prompt's q/k/v from the one copy, so each sample's
+attention is exactly its own, and the gradients of the shared tokens sum over the group. Every
+op outside attention (projections, MLP, norms, LM head) runs on ``C`` instead of ``T`` tokens.
 """
 
 from __future__ import annotations
@@ -27,18 +34,93 @@ import torch
 
 from rl_core.errors import RLError
 
-__all__ = ["ATTN_NAME", "PackingInfo", "register_packed_attention"]
+__all__ = ["ATTN_NAME", "PackingInfo", "SharedPrefix", "register_packed_attention"]
 
 ATTN_NAME = "rl_packed_sdpa"
 """Name under which the packed attention is registered in transformers."""
 
 
 @dataclass(frozen=True, slots=True)
-class PackingInfo:
-    """Index tensors describing one packed micro-batch, built once per forward."""
+class SharedPrefix:
+    """Which tokens of a packed micro-batch repeat another sequence's prefix (the prompt of a
+    GRPO group), and the compact row of ``C`` tokens that holds each prefix once.
 
-    flat_index_T: torch.Tensor
-    """``[T]`` int64 row-major index ``seq * L + pos`` of each token in the padded ``[N, L]``."""
+    A sequence's prefix is its tokens before its first ``loss_mask > 0`` token (the prompt);
+    sequences with byte-equal prefixes form a group whose first sequence (the *leader*) keeps
+    its prefix tokens and the others drop theirs. Exact for any causal model: a token's hidden
+    states depend only on the tokens before it and its position.
+    """
+
+    keep_T: torch.Tensor
+    """``[T]`` bool: the token is in the compact row (all but the followers' prefix tokens)."""
+    expand_T: torch.Tensor
+    """``[T]`` int64 index in the compact row of each token (a follower's prefix token maps to
+    its leader's)."""
+    group_T: torch.Tensor
+    """``[T]`` int64 leader sequence of each token's sequence (its own index when alone)."""
+    prefix_T: torch.Tensor
+    """``[T]`` bool: the token is part of a shareable prefix."""
+    num_compact: int
+    """``C``."""
+
+    @staticmethod
+    def find(
+        tokens_T: torch.Tensor, cu_seqlens_N1: torch.Tensor, loss_mask_T: torch.Tensor
+    ) -> SharedPrefix | None:
+        """The shared prefixes of a packed micro-batch, or ``None`` when no two sequences share
+        one (nothing to save)."""
+        n = int(cu_seqlens_N1.shape[0]) - 1
+        t = int(tokens_T.shape[0])
+        if n < 2 or t == 0:
+            return None
+        device = tokens_T.device
+        lengths_N = cu_seqlens_N1[1:] - cu_seqlens_N1[:-1]
+        seq_T = torch.repeat_interleave(torch.arange(n, device=device), lengths_N)
+        pos_T = torch.arange(t, device=device) - cu_seqlens_N1[:-1][seq_T]
+        trained_T = loss_mask_T > 0
+        first_N = lengths_N.clone()  # position of each sequence's first trained token
+        first_N.scatter_reduce_(0, seq_T[trained_T], pos_T[trained_T], reduce="amin")
+        prefix_N = torch.where((first_N >= 1) & (first_N < lengths_N), first_N, 0)
+        tokens = tokens_T.cpu().numpy()
+        starts, prefixes = cu_seqlens_N1[:-1].tolist(), prefix_N.tolist()
+        leaders: dict[bytes, int] = {}
+        leader = list(range(n))
+        for i, (a, p) in enumerate(zip(starts, prefixes, strict=True)):
+            if p:
+                leader[i] = leaders.setdefault(tokens[a : a + p].tobytes(), i)
+        if leader == list(range(n)):
+            return None
+        leader_N = torch.tensor(leader, dtype=torch.int64, device=device)
+        group_T = leader_N[seq_T]
+        prefix_T = pos_T < prefix_N[seq_T]
+        keep_T = ~(prefix_T & (group_T != seq_T))
+        compact_T = torch.cumsum(keep_T, 0) - 1  # compact index of each kept token
+        source_T = torch.where(
+            keep_T, torch.arange(t, device=device), cu_seqlens_N1[group_T] + pos_T
+        )
+        return SharedPrefix(
+            keep_T=keep_T,
+            expand_T=compact_T[source_T],
+            group_T=group_T,
+            prefix_T=prefix_T,
+            num_compact=int(keep_T.sum()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PackingInfo:
+    """Index tensors describing one packed micro-batch, built once per forward.
+
+    The model's row holds ``T'`` tokens: ``T`` (one per packed token) or, with a
+    :class:`SharedPrefix`, its ``C`` compact tokens.
+    """
+
+    gather_index_S: torch.Tensor
+    """``[N * L]`` int64: the row token each slot of the padded ``[N, L]`` layout reads (padding
+    reads token 0: causal attention of a valid query never reaches it, so its values and
+    gradients do not matter)."""
+    out_index_T: torch.Tensor
+    """``[T']`` int64: the padded slot whose attention output each row token takes."""
     num_seqs: int
     """``N``."""
     max_len: int
@@ -46,7 +128,7 @@ class PackingInfo:
     mode: str
     """``"pad"`` or ``"mask"``."""
     mask_TT: torch.Tensor | None
-    """``[T, T]`` bool block-diagonal causal mask (``"mask"`` mode only; True = attend)."""
+    """``[T', T']`` bool attention mask of the row (``"mask"`` mode only; True = attend)."""
 
     @staticmethod
     def build(
@@ -55,24 +137,47 @@ class PackingInfo:
         lengths_N: torch.Tensor,
         *,
         mode: str = "auto",
+        shared: SharedPrefix | None = None,
     ) -> PackingInfo:
-        """Index tensors for sequences of ``lengths_N`` packed as ``seq_index_T`` / ``position_ids_T``.
+        """Index tensors for sequences of ``lengths_N`` packed as ``seq_index_T`` /
+        ``position_ids_T``, the model running on the compact row of ``shared`` when given.
 
-        ``mode="auto"`` picks the layout with fewer attention scores (``N*L^2`` vs ``T^2``).
+        ``mode="auto"`` picks the layout with fewer attention scores (``N*L^2`` vs ``T'^2``).
         """
         n = int(lengths_N.shape[0])
         max_len = int(lengths_N.max()) if n else 0
         t = int(seq_index_T.shape[0])
+        rows = t if shared is None else shared.num_compact
         if mode == "auto":
-            mode = "pad" if n * max_len * max_len <= t * t else "mask"
-        mask_TT = None
+            mode = "pad" if n * max_len * max_len <= rows * rows else "mask"
+        flat_index_T = seq_index_T * max_len + position_ids_T  # padded slot of each token
+        gather_S = torch.zeros(n * max_len, dtype=torch.int64, device=seq_index_T.device)
+        if shared is None:
+            gather_S[flat_index_T] = torch.arange(t, device=seq_index_T.device)
+            out_index = flat_index_T
+        else:
+            gather_S[flat_index_T] = shared.expand_T
+            out_index = flat_index_T[shared.keep_T]
+        mask = None
         if mode == "mask":
-            same_TT = seq_index_T[:, None] == seq_index_T[None, :]
-            causal_TT = position_ids_T[:, None] >= position_ids_T[None, :]
-            mask_TT = same_TT & causal_TT
-        flat_index_T = seq_index_T * max_len + position_ids_T
+            seq, pos = seq_index_T, position_ids_T
+            if shared is not None:
+                keep = shared.keep_T
+                seq, pos = seq[keep], pos[keep]
+                group, prefix = shared.group_T[keep], shared.prefix_T[keep]
+            causal = pos[:, None] >= pos[None, :]
+            if shared is None:
+                mask = (seq[:, None] == seq[None, :]) & causal
+            else:  # the own sequence, or a shared prefix token of the same group
+                own = (seq[:, None] == seq[None, :]) | prefix[None, :]
+                mask = (group[:, None] == group[None, :]) & causal & own
         return PackingInfo(
-            flat_index_T=flat_index_T, num_seqs=n, max_len=max_len, mode=mode, mask_TT=mask_TT
+            gather_index_S=gather_S,
+            out_index_T=out_index,
+            num_seqs=n,
+            max_len=max_len,
+            mode=mode,
+            mask_TT=mask,
         )
 
 
@@ -93,8 +198,8 @@ def packed_sdpa_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, K, T, D]`` ->
-    ``[1, T, H, D]``, attending only within each packed sequence.
+    """transformers attention function: ``query [1, H, T', D]``, ``key/value [1, K, T', D]`` ->
+    ``[1, T', H, D]``, attending only within each packed sequence (and its shared prefix).
 
     Needs ``rl_packing=PackingInfo`` among the model's forward kwargs.
     """
@@ -119,12 +224,11 @@ def packed_sdpa_forward(
         return out_1HTD.transpose(1, 2), None
 
     n, length = info.num_seqs, info.max_len
-    idx_T = info.flat_index_T
 
     def to_padded(x_1XTD: torch.Tensor) -> torch.Tensor:
         x_TXD = x_1XTD[0].transpose(0, 1)
         h, d = x_TXD.shape[1], x_TXD.shape[2]
-        pad_SXD = x_TXD.new_zeros(n * length, h, d).index_copy(0, idx_T, x_TXD)
+        pad_SXD = x_TXD.index_select(0, info.gather_index_S)
         return pad_SXD.view(n, length, h, d).transpose(1, 2)  # [N, X, L, D]
 
     q_NHLD = to_padded(q_1HTD)
@@ -134,7 +238,7 @@ def packed_sdpa_forward(
         q_NHLD, k_NHLD, v_NHLD, dropout_p=dropout, scale=scaling, is_causal=True
     )
     out_SHD = out_NHLD.transpose(1, 2).reshape(n * length, out_NHLD.shape[1], out_NHLD.shape[3])
-    return out_SHD.index_select(0, idx_T)[None], None
+    return out_SHD.index_select(0, info.out_index_T)[None], None
 
 
 def register_packed_attention() -> None:

@@ -70,9 +70,11 @@ class HFCritic(PolicyCriticMixin, HFPolicy, Critic):
         """Values ``[T]`` of one micro-batch (no entropy)."""
         if batch.tokens.shape[0] == 0:
             return torch.zeros(0, device=self.device), None
-        position_ids_T, kwargs = self._packed_inputs(batch)
-        hidden_1TH = self.model.base_model(**kwargs).last_hidden_state
-        v_T = self.value_head(hidden_1TH[0].float()).squeeze(-1)  # value after token t
+        position_ids_T, kwargs, expand_T = self._packed_inputs(batch)
+        hidden_TH = self.model.base_model(**kwargs).last_hidden_state[0]
+        if expand_T is not None:  # shared prefixes: the model ran on the compact row
+            hidden_TH = hidden_TH.index_select(0, expand_T)
+        v_T = self.value_head(hidden_TH.float()).squeeze(-1)  # value after token t
         shifted_T = torch.cat([v_T.new_zeros(1), v_T[:-1]])  # value before token t
         return torch.where(position_ids_T == 0, 0.0, shifted_T), None
 

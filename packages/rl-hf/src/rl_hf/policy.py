@@ -128,6 +128,15 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         (docs/performance.md §7); values equal within float
         rounding, so fixed-seed curves differ from eager. Off by default: it wins on runs long
         enough to pay the compile back."""
+        share_prefix: bool = True
+        """Run each micro-batch with the prompt its sequences share (a GRPO group's samples)
+        computed once (:class:`rl_hf._packed_attention.SharedPrefix`): every op outside
+        attention runs on the prompt once plus each sample's own tokens instead of every
+        sample's whole sequence, and the prompt's gradients sum over the group. Log-probs and
+        gradients are those of the unshared forward within float rounding (attention reads the
+        same values; the projections run on fewer rows), so fixed-seed curves differ slightly
+        from ``false``. Used with ``attn_implementation: sdpa`` on dense models (a
+        mixture-of-experts model replays routing per token and runs unshared)."""
         compile_warmup: bool = True
         """With ``compile_model``: compile when the policy is built (one forward and backward on
         a dummy batch, start-up time) instead of in the first train step."""
@@ -377,25 +386,44 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
 
     # ------------------------------------------------------------------ forward
 
-    def _packed_inputs(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``position_ids_T`` and the keyword arguments of one packed forward (one row of ``T``
-        tokens, positions reset per sequence, attention confined to each sequence)."""
-        from rl_hf._packed_attention import PackingInfo
+    def _packed_inputs(
+        self, batch: TrainBatch
+    ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None]:
+        """``position_ids_T``, the keyword arguments of one packed forward (one row of tokens,
+        positions reset per sequence, attention confined to each sequence) and ``expand_T``:
+        ``None``, or with a shared prefix (``share_prefix``) the row index ``[T]`` of each token
+        in the compact row the model runs on (gather the model's outputs with it)."""
+        from rl_hf._packed_attention import PackingInfo, SharedPrefix
 
         tokens_T = batch.tokens.to(self.device)
         position_ids_T = batch.position_ids().to(self.device)
+        shared = None
+        if (
+            self.config.share_prefix
+            and self.config.attn_implementation == "sdpa"
+            and self._router_tap is None
+        ):
+            shared = SharedPrefix.find(
+                tokens_T, batch.cu_seqlens.to(self.device), batch.loss_mask.to(self.device)
+            )
+        row_tokens, row_positions = tokens_T, position_ids_T
+        if shared is not None:
+            row_tokens, row_positions = tokens_T[shared.keep_T], position_ids_T[shared.keep_T]
         kwargs: dict[str, Any] = {
-            "input_ids": tokens_T[None],
-            "position_ids": position_ids_T[None],
+            "input_ids": row_tokens[None],
+            "position_ids": row_positions[None],
             "attention_mask": None,
             "use_cache": False,
         }
         if self.config.attn_implementation == "sdpa":
             cu_N1 = batch.cu_seqlens.to(self.device)
             kwargs["rl_packing"] = PackingInfo.build(
-                batch.seq_index().to(self.device), position_ids_T, cu_N1[1:] - cu_N1[:-1]
+                batch.seq_index().to(self.device),
+                position_ids_T,
+                cu_N1[1:] - cu_N1[:-1],
+                shared=shared,
             )
-        return position_ids_T, kwargs
+        return position_ids_T, kwargs, (None if shared is None else shared.expand_T)
 
     def _packed_logprobs(
         self, batch: TrainBatch, *, with_entropy: bool
@@ -409,11 +437,13 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
                 tokens_T.bool(),
                 with_entropy=with_entropy,
             )
-        position_ids_T, kwargs = self._packed_inputs(batch)
+        position_ids_T, kwargs, expand_T = self._packed_inputs(batch)
         if not self._uses_hidden_path():
-            logits_1TV = self._forward(batch, lambda: self.model(**kwargs).logits)
+            logits_TV = self._forward(batch, lambda: self.model(**kwargs).logits)[0]
+            if expand_T is not None:
+                logits_TV = logits_TV.index_select(0, expand_T)
             return token_logprobs(
-                logits_1TV[0],
+                logits_TV,
                 tokens_T,
                 position_ids_T == 0,
                 temperature=self.config.temperature,
@@ -429,6 +459,8 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         if self.config.logprob_positions == "loss_mask":
             scored_T &= batch.loss_mask.to(self.device) > 0
         source_S = scored_T.nonzero()[:, 0] - 1  # the position before each scored token
+        if expand_T is not None:
+            source_S = expand_T[source_S]
         logp_S, ent_S = linear_logprobs(
             hidden_TH.index_select(0, source_S),
             self.model.get_output_embeddings().weight,
