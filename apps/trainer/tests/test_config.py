@@ -129,3 +129,27 @@ def test_async_fields_validate(tmp_path):
         load_trainer_config(_recipe(tmp_path), ["rl.max_staleness=-1"])
     with pytest.raises(ConfigError, match=r"buffer\.max_staleness: .*set rl\.max_staleness"):
         load_trainer_config(_recipe(tmp_path, buffer={"type": "group", "max_staleness": 1}))
+
+
+def test_async_local_generator_gets_half_the_threads(tmp_path):
+    """On the local runtime an async run's in-process generator generates with half the
+    trainer's threads (it runs beside the trainer on the same cores); a recipe's own
+    generator.threads, a sync run or one thread leave it alone."""
+    from rl_trainer.assembly import generator_threads
+
+    def cfg(**extra):
+        return load_trainer_config(recipe_path("demo"), [f"{k}={v}" for k, v in extra.items()])
+
+    on = {"rl.async_generation": "true"}
+    assert generator_threads(cfg(threads=2, **on), None) == {"threads": 1}
+    assert generator_threads(cfg(threads=5, **on), None) == {"threads": 2}
+    assert generator_threads(cfg(threads=1, **on), None) == {}
+    assert generator_threads(cfg(threads=4), None) == {}
+    assert generator_threads(cfg(threads=4, **on), object()) == {}  # ray: engines apart
+    from rl_trainer.build import with_defaults
+
+    mine = cfg(threads=4, **on, **{"generator.threads": 3})
+    spec = with_defaults("generator", mine.generator, **generator_threads(mine, None))
+    assert spec.options["threads"] == 3  # the recipe's setting wins
+    spec = with_defaults("generator", cfg(threads=4, **on).generator, threads=2)
+    assert spec.options["threads"] == 2

@@ -256,11 +256,27 @@ def build_critic(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     return registry.build("critic", spec, field="critic")
 
 
+def generator_threads(cfg: TrainerConfig, runtime: Any) -> dict[str, int]:
+    """The default ``threads`` of an in-process generator (an option a recipe may set itself):
+    with ``rl.async_generation`` on the local runtime the generating thread runs beside the
+    trainer's ``threads`` on the same cores, so it gets half of them (at least 1) instead of
+    oversubscribing them (demo, 2 threads: -15..20% per step, docs/performance.md)."""
+    if runtime is not None or not cfg.rl.async_generation or cfg.threads < 2:
+        return {}
+    return {"threads": max(1, cfg.threads // 2)}
+
+
 async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     """The generator serving ``model_path`` (on the ``ray`` runtime: the engine pool, and the
     weight transport's receivers in it). It must be able to abort requests for partial
     rollouts."""
-    spec = with_defaults("generator", cfg.generator, model_path=model_path, seed=cfg.seed)
+    spec = with_defaults(
+        "generator",
+        cfg.generator,
+        model_path=model_path,
+        seed=cfg.seed,
+        **generator_threads(cfg, runtime),
+    )
     if runtime is not None:
         generator = runtime.build_generator(spec)
         await runtime.build_transport(transport_spec(cfg, model_path))

@@ -550,7 +550,9 @@ class TrainerConfig:
     seed: Annotated[int, Range(ge=0, lt=2**32)] = 0
     """Seed of every random choice (data order, sampling, initialisation)."""
     threads: PositiveInt = 1
-    """torch intra-op threads of the trainer process."""
+    """torch intra-op threads of the trainer process. With ``rl.async_generation`` on the
+    local runtime, an in-process generator with a ``threads`` option (``hf``) generates with
+    half of them (at least 1) unless the recipe sets ``generator.threads``."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where the components run: ``local`` (one process, the default) or ``ray``."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -153,7 +153,8 @@ class HFGenerator(Generator):
         threads: NonNegInt = 0
         """torch intra-op threads of the worker thread that generates (0: the process's count).
         With the trainer in the same process (async rollouts), 1 here leaves the other cores to
-        the trainer's threads instead of oversubscribing them. Set with ``torch.set_num_threads``
+        the trainer's threads instead of oversubscribing them (``rl-train`` sets half its
+        ``threads`` there unless the recipe sets this). Set with ``torch.set_num_threads``
         in the worker, which also makes it the count of threads started after it that do not
         set their own (the trainer's threads do)."""
 
