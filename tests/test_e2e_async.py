@@ -3,7 +3,8 @@
 - ``max_staleness = 0`` reproduces the synchronous run exactly (metrics and final weights), also
   when dynamic sampling carries surplus groups over and the bound drops them;
 - ``max_staleness = 1`` trains on data exactly one version old, and its runs are reproducible:
-  killed and resumed, it ends like the uninterrupted run;
+  killed and resumed, it ends like the uninterrupted run, and with the generator in a process
+  of its own (``runtime.generator_process``) it is the same run;
 - on the demo task an async run with staleness 1 (and TIS) learns.
 """
 
@@ -46,9 +47,15 @@ def test_staleness_zero_reproduces_sync(tiny_recipe, cli):
     recipe, sync = tiny_recipe("sync", rl_steps=6)
     recipe0, async0 = tiny_recipe("async0", rl_steps=6)
     recipe1, async1 = tiny_recipe("async1", rl_steps=6)
+    recipe1p, async1p = tiny_recipe("async1p", rl_steps=6)
     _run(cli, recipe)
     _run(cli, recipe0, *ASYNC, "--set", "rl.max_staleness=0")
     _run(cli, recipe1, *ASYNC, "--set", "rl.max_staleness=1")
+    # The generator in a process of its own (runtime.generator_process) is the same run.
+    proc = ("--set", "runtime.generator_process=true")
+    _run(cli, recipe1p, *ASYNC, "--set", "rl.max_staleness=1", *proc)
+    assert _records(async1p) == _records(async1)
+    assert _same_weights(_weights(async1p), _weights(async1))
 
     base = _records(sync)
     assert _records(async0) == base

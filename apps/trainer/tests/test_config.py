@@ -131,25 +131,35 @@ def test_async_fields_validate(tmp_path):
         load_trainer_config(_recipe(tmp_path, buffer={"type": "group", "max_staleness": 1}))
 
 
-def test_async_local_generator_gets_half_the_threads(tmp_path):
-    """On the local runtime an async run's in-process generator generates with half the
-    trainer's threads (it runs beside the trainer on the same cores); a recipe's own
-    generator.threads, a sync run or one thread leave it alone."""
-    from rl_trainer.assembly import generator_threads
+def test_async_local_runs_split_the_threads(tmp_path):
+    """On the local runtime an async run's generator generates with half the threads (it
+    runs beside the trainer on the same cores); in a process of its own the trainer keeps the
+    other half. A recipe's own generator.threads, a sync run, one thread or the ray runtime
+    leave both alone."""
+    from rl_trainer.assembly import thread_split
+    from rl_trainer.build import with_defaults
 
     def cfg(**extra):
         return load_trainer_config(recipe_path("demo"), [f"{k}={v}" for k, v in extra.items()])
 
     on = {"rl.async_generation": "true"}
-    assert generator_threads(cfg(threads=2, **on), None) == {"threads": 1}
-    assert generator_threads(cfg(threads=5, **on), None) == {"threads": 2}
-    assert generator_threads(cfg(threads=1, **on), None) == {}
-    assert generator_threads(cfg(threads=4), None) == {}
-    assert generator_threads(cfg(threads=4, **on), object()) == {}  # ray: engines apart
-    from rl_trainer.build import with_defaults
-
+    proc = {**on, "runtime.generator_process": "true"}
+    assert thread_split(cfg(threads=2, **on)) == (2, 1)
+    assert thread_split(cfg(threads=5, **on)) == (5, 2)
+    assert thread_split(cfg(threads=2, **proc)) == (1, 1)
+    assert thread_split(cfg(threads=5, **proc)) == (3, 2)
+    assert thread_split(cfg(threads=1, **proc)) == (1, None)
+    assert thread_split(cfg(threads=4)) == (4, None)
+    assert thread_split(cfg(threads=4, **on, **{"runtime.type": "ray"})) == (4, None)
     mine = cfg(threads=4, **on, **{"generator.threads": 3})
-    spec = with_defaults("generator", mine.generator, **generator_threads(mine, None))
+    spec = with_defaults("generator", mine.generator, threads=thread_split(mine)[1])
     assert spec.options["threads"] == 3  # the recipe's setting wins
     spec = with_defaults("generator", cfg(threads=4, **on).generator, threads=2)
     assert spec.options["threads"] == 2
+
+
+def test_generator_process_needs_the_local_runtime(tmp_path):
+    with pytest.raises(ConfigError, match="runtime.generator_process"):
+        load_trainer_config(
+            recipe_path("demo"), ["runtime.type=ray", "runtime.generator_process=true"]
+        )

@@ -15,6 +15,7 @@ here; the phases only call the builders.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "build_policy",
     "build_transports",
     "free_port",
+    "thread_split",
 ]
 
 
@@ -256,30 +258,46 @@ def build_critic(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     return registry.build("critic", spec, field="critic")
 
 
-def generator_threads(cfg: TrainerConfig, runtime: Any) -> dict[str, int]:
-    """The default ``threads`` of an in-process generator (an option a recipe may set itself):
-    with ``rl.async_generation`` on the local runtime the generating thread runs beside the
-    trainer's ``threads`` on the same cores, so it gets half of them (at least 1) instead of
-    oversubscribing them (demo, 2 threads: -15..20% per step, docs/performance.md)."""
-    if runtime is not None or not cfg.rl.async_generation or cfg.threads < 2:
-        return {}
-    return {"threads": max(1, cfg.threads // 2)}
+def thread_split(cfg: TrainerConfig) -> tuple[int, int | None]:
+    """``(trainer, generator)`` torch threads of a run on the local runtime, from ``threads``
+    (the cores it may use); ``None``: the generator keeps its own setting.
+
+    - synchronous, one thread, or the ``ray`` runtime: ``(threads, None)``: nothing runs
+      beside the trainer (on Ray each actor has its own CPUs);
+    - ``rl.async_generation``, generator in this process: ``(threads, g)`` with
+      ``g = threads // 2``: the generating thread runs beside the trainer's threads, and
+      ``threads + threads`` oversubscribed the cores (demo, 2 threads: -15..20% per step);
+    - ``rl.async_generation`` with ``runtime.generator_process``: ``(threads - g, g)``: each
+      process on cores of its own (demo and small, 2 threads: 1 + 1 beat 2 + 1 by 10-25%).
+
+    docs/performance.md has the measurements.
+    """
+    if cfg.runtime.type != "local" or not cfg.rl.async_generation or cfg.threads < 2:
+        return cfg.threads, None
+    g = cfg.threads // 2
+    return (cfg.threads - g if cfg.runtime.generator_process else cfg.threads), g
 
 
 async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     """The generator serving ``model_path`` (on the ``ray`` runtime: the engine pool, and the
     weight transport's receivers in it). It must be able to abort requests for partial
     rollouts."""
+    gen_threads = thread_split(cfg)[1]
     spec = with_defaults(
         "generator",
         cfg.generator,
         model_path=model_path,
         seed=cfg.seed,
-        **generator_threads(cfg, runtime),
+        **({} if gen_threads is None else {"threads": gen_threads}),
     )
     if runtime is not None:
         generator = runtime.build_generator(spec)
         await runtime.build_transport(transport_spec(cfg, model_path))
+    elif cfg.runtime.generator_process:
+        from rl_trainer.generator_process import ProcessGenerator
+
+        threads = int(spec.options.get("threads") or cfg.threads)  # the child's torch threads
+        generator = await asyncio.to_thread(ProcessGenerator, spec, threads=threads)
     else:
         generator = registry.build("generator", spec, field="generator")
     if cfg.rl.partial_rollouts and not generator.supports_abort:

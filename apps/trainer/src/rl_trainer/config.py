@@ -534,6 +534,12 @@ class RuntimeConfig:
     ``None`` waits as long as it takes."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of every actor."""
+    generator_process: bool = False
+    """``local`` runtime: run the generator (a backend taking weights through
+    ``load_weights``: ``hf``) in a spawned process of its own instead of in this one, so its
+    Python and the trainer's do not take turns on one GIL (with ``rl.async_generation``);
+    requests go over a pipe and weights through shared memory
+    (:mod:`rl_trainer.generator_process`). Start-up pays the child's imports and model load."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -551,8 +557,9 @@ class TrainerConfig:
     """Seed of every random choice (data order, sampling, initialisation)."""
     threads: PositiveInt = 1
     """torch intra-op threads of the trainer process. With ``rl.async_generation`` on the
-    local runtime, an in-process generator with a ``threads`` option (``hf``) generates with
-    half of them (at least 1) unless the recipe sets ``generator.threads``."""
+    local runtime the generator (``hf``) generates with half of them unless the recipe sets
+    ``generator.threads``, and with ``runtime.generator_process`` the trainer keeps the other
+    half (``rl_trainer.assembly.thread_split``)."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where the components run: ``local`` (one process, the default) or ``ray``."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -638,6 +645,11 @@ def load_trainer_config(
         raise ConfigError(
             "rl.steps: 0 with sft.steps: 0 would run nothing; set rl.steps >= 1 (or sft.steps "
             ">= 1 for a warm-up-only run)."
+        )
+    if cfg.runtime.generator_process and cfg.runtime.type != "local":
+        raise ConfigError(
+            "runtime.generator_process: runs the generator in a child process on the local "
+            "runtime; on the ray runtime generators are actors already, so remove it."
         )
     if cfg.rl.partial_rollouts and not (cfg.rl.async_generation and cfg.rl.max_staleness >= 1):
         raise ConfigError(

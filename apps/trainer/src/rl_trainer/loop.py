@@ -43,7 +43,7 @@ import torch
 
 from rl_core.errors import RLError
 from rl_trainer import state as trainer_state
-from rl_trainer.assembly import Components, assemble
+from rl_trainer.assembly import Components, assemble, thread_split
 from rl_trainer.checkpoint import latest_checkpoint
 from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import EvalSet
@@ -74,7 +74,7 @@ class Trainer:
         self.resume = resume
         self.run_dir = config.run_path
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.set_num_threads(config.threads)
+        torch.set_num_threads(thread_split(config)[0])
         self._seed_everything(config.seed)
         self.parts: Components = assemble(config)
         """The driver-side components (data, buffer, rewards, filters, sampler, algorithm)."""

@@ -23,7 +23,13 @@ import torch
 
 from rl_core.errors import ConfigError, RLError
 from rl_trainer import lora, routing, samples, stages, truncation
-from rl_trainer.assembly import build_critic, build_generator, build_policy, build_transports
+from rl_trainer.assembly import (
+    build_critic,
+    build_generator,
+    build_policy,
+    build_transports,
+    thread_split,
+)
 from rl_trainer.offload import Handover
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.pipeline import RolloutPipeline, Weights
@@ -208,7 +214,7 @@ def _start_pipeline(trainer: Trainer) -> None:
         max_workers=1,
         thread_name_prefix="rl-train",
         initializer=torch.set_num_threads,
-        initargs=(cfg.threads,),
+        initargs=(thread_split(cfg)[0],),
     )
 
     async def produce(step: int) -> dict[str, Any]:
