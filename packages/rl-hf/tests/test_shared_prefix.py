@@ -102,6 +102,8 @@ def test_compact_row_gives_the_unshared_logits(qwen_dir: Path, mode: str) -> Non
     full = PackingInfo.build(seq_T, pos_T, lengths_N, mode=mode)
     compact = PackingInfo.build(seq_T, pos_T, lengths_N, mode=mode, shared=shared)
     assert compact.mode == mode
+    # the padded layout's [N * L] indices exist in "pad" mode only
+    assert (compact.gather_index_S.numel() > 0) == (mode == "pad")
     with torch.no_grad():
         full_TV = policy.model(
             input_ids=batch.tokens[None], position_ids=pos_T[None], use_cache=False, rl_packing=full

@@ -118,9 +118,10 @@ class PackingInfo:
     gather_index_S: torch.Tensor
     """``[N * L]`` int64: the row token each slot of the padded ``[N, L]`` layout reads (padding
     reads token 0: causal attention of a valid query never reaches it, so its values and
-    gradients do not matter)."""
+    gradients do not matter); empty in ``"mask"`` mode."""
     out_index_T: torch.Tensor
-    """``[T']`` int64: the padded slot whose attention output each row token takes."""
+    """``[T']`` int64: the padded slot whose attention output each row token takes; empty in
+    ``"mask"`` mode."""
     num_seqs: int
     """``N``."""
     max_len: int
@@ -150,14 +151,18 @@ class PackingInfo:
         rows = t if shared is None else shared.num_compact
         if mode == "auto":
             mode = "pad" if n * max_len * max_len <= rows * rows else "mask"
-        flat_index_T = seq_index_T * max_len + position_ids_T  # padded slot of each token
-        gather_S = torch.zeros(n * max_len, dtype=torch.int64, device=seq_index_T.device)
-        if shared is None:
-            gather_S[flat_index_T] = torch.arange(t, device=seq_index_T.device)
-            out_index = flat_index_T
-        else:
-            gather_S[flat_index_T] = shared.expand_T
-            out_index = flat_index_T[shared.keep_T]
+        device = seq_index_T.device
+        # The padded layout's indices, in "pad" mode only ([N * L] can be large when "mask" wins).
+        gather_S = out_index = torch.zeros(0, dtype=torch.int64, device=device)
+        if mode == "pad":
+            flat_index_T = seq_index_T * max_len + position_ids_T  # padded slot of each token
+            gather_S = torch.zeros(n * max_len, dtype=torch.int64, device=device)
+            if shared is None:
+                gather_S[flat_index_T] = torch.arange(t, device=device)
+                out_index = flat_index_T
+            else:
+                gather_S[flat_index_T] = shared.expand_T
+                out_index = flat_index_T[shared.keep_T]
         mask = None
         if mode == "mask":
             seq, pos = seq_index_T, position_ids_T
