@@ -46,3 +46,24 @@ def test_recipe_overrides_reach_the_recipe_and_extra_wins(tmp_path: Path) -> Non
     assert rec["policy"]["compile_model"] is True
     assert rec["rl"]["max_staleness"] == 1  # the run's own setting wins over --set
     assert rec["threads"] == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")
+def test_cpu_time_counts_live_child_processes() -> None:
+    """The benchmark's CPU clock counts a generator process (runtime.generator_process) too."""
+    import subprocess
+    import sys
+    import time
+
+    before = worker.cpu_time()
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 30: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.3)
+        deadline = time.monotonic() + 20
+        while worker.cpu_time() - before < 0.5:  # this process sleeps: the child's CPU
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
