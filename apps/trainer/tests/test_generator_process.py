@@ -105,7 +105,7 @@ class TestProcessGeneratorConformance(GeneratorConformance):
         assert isinstance(generator, ProcessGenerator)
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(Path(generator_path(generator))))
+        model = AutoModelForCausalLM.from_pretrained(generator.spec.options["model_path"])
         model.load_state_dict(dict(generator._shared), strict=False)
         model.tie_weights()
         ids = torch.tensor([list(input_ids) + list(output_ids)])
@@ -114,10 +114,6 @@ class TestProcessGeneratorConformance(GeneratorConformance):
         t = temperature if temperature > 0 else 1.0
         p = len(input_ids)
         return torch.log_softmax(logits_LV[p - 1 : p - 1 + len(output_ids)] / t, -1)
-
-
-def generator_path(generator: ProcessGenerator) -> str:
-    return str(generator.spec.options["model_path"])
 
 
 def test_results_equal_the_in_process_generator(

@@ -155,14 +155,19 @@ class ProcessGenerator(Generator):
         for fut in pending.values():
             fut.set_exception(GenerationError(f"{why}; see its log above."))
 
+    def _register(self) -> tuple[int, concurrent.futures.Future]:
+        """A new call id and the future of its reply (``_lock`` held by the caller)."""
+        if self._dead is not None:
+            raise GenerationError(f"{self._dead}; build a new generator.")
+        cid = next(self._ids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending[cid] = fut
+        return cid, fut
+
     def _send(self, kind: str, payload: Any = None) -> concurrent.futures.Future:
         """Send one command; the future of its reply."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._dead is not None:
-                raise GenerationError(f"{self._dead}; build a new generator.")
-            cid = next(self._ids)
-            self._pending[cid] = fut
+            cid, fut = self._register()
             self._conn.send((kind, cid, payload))
         return fut
 
@@ -183,12 +188,8 @@ class ProcessGenerator(Generator):
         if not requests:
             return []
         loop = asyncio.get_running_loop()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._dead is not None:
-                raise GenerationError(f"{self._dead}; build a new generator.")
-            cid = next(self._ids)
-            self._pending[cid] = fut
+            cid, fut = self._register()
             first = not self._staged
             self._staged.append((cid, list(requests)))
         if first:

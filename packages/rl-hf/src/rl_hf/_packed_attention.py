@@ -33,8 +33,15 @@ from typing import Any
 import torch
 
 from rl_core.errors import RLError
+from rl_core.types import TrainBatch
 
-__all__ = ["ATTN_NAME", "PackingInfo", "SharedPrefix", "register_packed_attention"]
+__all__ = [
+    "ATTN_NAME",
+    "PackingInfo",
+    "SharedPrefix",
+    "packed_inputs",
+    "register_packed_attention",
+]
 
 ATTN_NAME = "rl_packed_sdpa"
 """Name under which the packed attention is registered in transformers."""
@@ -184,6 +191,37 @@ class PackingInfo:
             mode=mode,
             mask_TT=mask,
         )
+
+
+def packed_inputs(
+    batch: TrainBatch, device: torch.device, *, sdpa: bool, share_prefix: bool
+) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None]:
+    """``position_ids_T``, the keyword arguments of one packed forward of ``batch`` on
+    ``device`` (one row of tokens, positions reset per sequence, attention confined to each
+    sequence: ``rl_packing`` for :func:`packed_sdpa_forward` when ``sdpa``) and ``expand_T``:
+    ``None``, or with ``share_prefix`` (and ``sdpa``) and a prompt two sequences share, the
+    index ``[T]`` of each token in the compact row the model runs on (gather the model's
+    per-token outputs with it)."""
+    tokens_T = batch.tokens.to(device)
+    position_ids_T = batch.position_ids().to(device)
+    cu_N1 = batch.cu_seqlens.to(device)
+    shared = None
+    if share_prefix and sdpa:
+        shared = SharedPrefix.find(tokens_T, cu_N1, batch.loss_mask.to(device))
+    row_tokens, row_positions = tokens_T, position_ids_T
+    if shared is not None:
+        row_tokens, row_positions = tokens_T[shared.keep_T], position_ids_T[shared.keep_T]
+    kwargs: dict[str, Any] = {
+        "input_ids": row_tokens[None],
+        "position_ids": row_positions[None],
+        "attention_mask": None,
+        "use_cache": False,
+    }
+    if sdpa:
+        kwargs["rl_packing"] = PackingInfo.build(
+            batch.seq_index().to(device), position_ids_T, cu_N1[1:] - cu_N1[:-1], shared=shared
+        )
+    return position_ids_T, kwargs, (None if shared is None else shared.expand_T)
 
 
 def _repeat_kv(x_BKLD: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -389,41 +389,16 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
     def _packed_inputs(
         self, batch: TrainBatch
     ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None]:
-        """``position_ids_T``, the keyword arguments of one packed forward (one row of tokens,
-        positions reset per sequence, attention confined to each sequence) and ``expand_T``:
-        ``None``, or with a shared prefix (``share_prefix``) the row index ``[T]`` of each token
-        in the compact row the model runs on (gather the model's outputs with it)."""
-        from rl_hf._packed_attention import PackingInfo, SharedPrefix
+        """:func:`rl_hf._packed_attention.packed_inputs` of ``batch`` for this model (prefixes
+        shared with ``share_prefix``, except on a mixture-of-experts model)."""
+        from rl_hf._packed_attention import packed_inputs
 
-        tokens_T = batch.tokens.to(self.device)
-        position_ids_T = batch.position_ids().to(self.device)
-        shared = None
-        if (
-            self.config.share_prefix
-            and self.config.attn_implementation == "sdpa"
-            and self._router_tap is None
-        ):
-            shared = SharedPrefix.find(
-                tokens_T, batch.cu_seqlens.to(self.device), batch.loss_mask.to(self.device)
-            )
-        row_tokens, row_positions = tokens_T, position_ids_T
-        if shared is not None:
-            row_tokens, row_positions = tokens_T[shared.keep_T], position_ids_T[shared.keep_T]
-        kwargs: dict[str, Any] = {
-            "input_ids": row_tokens[None],
-            "position_ids": row_positions[None],
-            "attention_mask": None,
-            "use_cache": False,
-        }
-        if self.config.attn_implementation == "sdpa":
-            cu_N1 = batch.cu_seqlens.to(self.device)
-            kwargs["rl_packing"] = PackingInfo.build(
-                batch.seq_index().to(self.device),
-                position_ids_T,
-                cu_N1[1:] - cu_N1[:-1],
-                shared=shared,
-            )
-        return position_ids_T, kwargs, (None if shared is None else shared.expand_T)
+        return packed_inputs(
+            batch,
+            self.device,
+            sdpa=self.config.attn_implementation == "sdpa",
+            share_prefix=self.config.share_prefix and self._router_tap is None,
+        )
 
     def _packed_logprobs(
         self, batch: TrainBatch, *, with_entropy: bool
