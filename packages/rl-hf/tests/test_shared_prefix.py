@@ -61,12 +61,18 @@ def grouped_batch(
     )
 
 
+def _find(batch: TrainBatch) -> SharedPrefix | None:
+    return SharedPrefix.find(
+        batch.tokens, batch.cu_seqlens, batch.loss_mask, batch.seq_index(), batch.position_ids()
+    )
+
+
 GROUPS = [(5, [3, 7, 1, 4]), (9, [2, 6]), (4, [5]), (7, [8, 3, 3])]
 
 
 def test_find_compacts_each_prompt_once() -> None:
     batch = grouped_batch(GROUPS)
-    shared = SharedPrefix.find(batch.tokens, batch.cu_seqlens, batch.loss_mask)
+    shared = _find(batch)
     assert shared is not None
     prompts = sum(p for p, _ in GROUPS)
     responses = sum(sum(r) for _, r in GROUPS)
@@ -84,10 +90,10 @@ def test_find_compacts_each_prompt_once() -> None:
 
 def test_find_returns_none_without_a_shared_prompt() -> None:
     batch = grouped_batch([(5, [3]), (6, [4]), (2, [2])])
-    assert SharedPrefix.find(batch.tokens, batch.cu_seqlens, batch.loss_mask) is None
+    assert _find(batch) is None
     # a sequence without trained tokens, or trained from its first token, has no prefix
     one = grouped_batch([(3, [0, 0])])
-    assert SharedPrefix.find(one.tokens, one.cu_seqlens, one.loss_mask) is None
+    assert _find(one) is None
 
 
 @pytest.mark.parametrize("mode", ["pad", "mask"])
@@ -97,7 +103,7 @@ def test_compact_row_gives_the_unshared_logits(qwen_dir: Path, mode: str) -> Non
     batch = grouped_batch(GROUPS, seed=3)
     pos_T, seq_T = batch.position_ids(), batch.seq_index()
     lengths_N = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-    shared = SharedPrefix.find(batch.tokens, batch.cu_seqlens, batch.loss_mask)
+    shared = _find(batch)
     assert shared is not None
     full = PackingInfo.build(seq_T, pos_T, lengths_N, mode=mode)
     compact = PackingInfo.build(seq_T, pos_T, lengths_N, mode=mode, shared=shared)

@@ -217,18 +217,16 @@ class ProcessGenerator(Generator):
     ) -> None:
         """Copy ``named_tensors`` into the shared buffers (allocated at the first update) and
         have the child load them; blocks until it has."""
-        tensors = list(named_tensors)
-        rebind = {}
-        for name, t in tensors:
-            buf = self._shared.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype).share_memory_()
-                self._shared[name] = buf
-                rebind[name] = buf
+        tensors = list(named_tensors)  # a stream that fails midway touches no buffer
+        names, rebind = [], {}
         with torch.no_grad():
             for name, t in tensors:
-                self._shared[name].copy_(t)
-        names = [name for name, _ in tensors]
+                buf = self._shared.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+                    self._shared[name] = rebind[name] = buf
+                buf.copy_(t)
+                names.append(name)
         self._version = int(self._send("load", (int(version), names, rebind)).result())
 
     async def health(self) -> bool:

@@ -72,18 +72,21 @@ class SharedPrefix:
 
     @staticmethod
     def find(
-        tokens_T: torch.Tensor, cu_seqlens_N1: torch.Tensor, loss_mask_T: torch.Tensor
+        tokens_T: torch.Tensor,
+        cu_seqlens_N1: torch.Tensor,
+        loss_mask_T: torch.Tensor,
+        seq_T: torch.Tensor,
+        pos_T: torch.Tensor,
     ) -> SharedPrefix | None:
-        """The shared prefixes of a packed micro-batch, or ``None`` when no two sequences share
-        one (nothing to save)."""
+        """The shared prefixes of a packed micro-batch (``seq_T`` / ``pos_T``: each token's
+        sequence index and position, ``TrainBatch.seq_index()`` / ``position_ids()``), or
+        ``None`` when no two sequences share one (nothing to save)."""
         n = int(cu_seqlens_N1.shape[0]) - 1
         t = int(tokens_T.shape[0])
         if n < 2 or t == 0:
             return None
         device = tokens_T.device
         lengths_N = cu_seqlens_N1[1:] - cu_seqlens_N1[:-1]
-        seq_T = torch.repeat_interleave(torch.arange(n, device=device), lengths_N)
-        pos_T = torch.arange(t, device=device) - cu_seqlens_N1[:-1][seq_T]
         trained_T = loss_mask_T > 0
         first_N = lengths_N.clone()  # position of each sequence's first trained token
         first_N.scatter_reduce_(0, seq_T[trained_T], pos_T[trained_T], reduce="amin")
@@ -204,10 +207,13 @@ def packed_inputs(
     per-token outputs with it)."""
     tokens_T = batch.tokens.to(device)
     position_ids_T = batch.position_ids().to(device)
+    seq_T = batch.seq_index().to(device)
     cu_N1 = batch.cu_seqlens.to(device)
     shared = None
     if share_prefix and sdpa:
-        shared = SharedPrefix.find(tokens_T, cu_N1, batch.loss_mask.to(device))
+        shared = SharedPrefix.find(
+            tokens_T, cu_N1, batch.loss_mask.to(device), seq_T, position_ids_T
+        )
     row_tokens, row_positions = tokens_T, position_ids_T
     if shared is not None:
         row_tokens, row_positions = tokens_T[shared.keep_T], position_ids_T[shared.keep_T]
@@ -219,7 +225,7 @@ def packed_inputs(
     }
     if sdpa:
         kwargs["rl_packing"] = PackingInfo.build(
-            batch.seq_index().to(device), position_ids_T, cu_N1[1:] - cu_N1[:-1], shared=shared
+            seq_T, position_ids_T, cu_N1[1:] - cu_N1[:-1], shared=shared
         )
     return position_ids_T, kwargs, (None if shared is None else shared.expand_T)
 
