@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from rl_core.config import ComponentSpec
 from rl_core.errors import ConfigError, GenerationError
 from rl_core.interfaces import Generator
-from rl_core.testing.generator import GeneratorConformance
+from rl_core.testing.generator import GeneratorConformance, perturbed_weights
 from rl_core.types import GenerationRequest, SamplingParams
 from rl_hf import TinyModelSpec, build_tiny_model
 from rl_hf.generator import HFGenerator
@@ -89,11 +89,8 @@ class TestProcessGeneratorConformance(GeneratorConformance):
         return tuple(reference.default_stop_ids)
 
     def new_weights(self, generator: Generator, seed: int) -> Iterable[tuple[str, torch.Tensor]]:
-        g = torch.Generator().manual_seed(seed)
         assert isinstance(generator, ProcessGenerator)
-        for name, t in generator._shared.items():
-            scale = max(float(t.float().std()) if t.numel() > 1 else 0.0, 0.05)
-            yield name, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+        return perturbed_weights(generator._shared.items(), seed)
 
     def teacher_forced_logprobs(
         self,

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rl_core.interfaces import Generator
-from rl_core.testing.generator import GeneratorConformance
+from rl_core.testing.generator import GeneratorConformance, perturbed_weights
 from rl_hf import TinyModelSpec, build_tiny_model
 from rl_hf.generator import HFGenerator
 
@@ -48,13 +48,10 @@ class TestHFGeneratorCUDAConformance(GeneratorConformance):
 
     def new_weights(self, generator: Generator, seed: int) -> Iterable[tuple[str, torch.Tensor]]:
         assert isinstance(generator, HFGenerator)
-        g = torch.Generator().manual_seed(seed)
-        for name, t in generator.model.state_dict().items():
-            if name == "lm_head.weight":  # tied: sent once, as the embedding
-                continue
-            t = t.detach().cpu()
-            scale = max(float(t.float().std()) if t.numel() > 1 else 0.0, 0.05)
-            yield name, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+        state = generator.model.state_dict().items()
+        # lm_head.weight is tied: sent once, as the embedding
+        cpu = ((n, t.detach().cpu()) for n, t in state if n != "lm_head.weight")
+        return perturbed_weights(cpu, seed)
 
     def teacher_forced_logprobs(
         self,

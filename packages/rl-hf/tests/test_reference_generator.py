@@ -17,7 +17,12 @@ import torch
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.logprobs import truncate_logits
-from rl_core.testing.generator import FakeGenerator, GeneratorConformance, InMemoryTransport
+from rl_core.testing.generator import (
+    FakeGenerator,
+    GeneratorConformance,
+    InMemoryTransport,
+    perturbed_weights,
+)
 from rl_core.testing.weight_transport import WeightTransportConformance
 from rl_core.types import FinishReason, GenerationRequest, SamplingParams
 from rl_hf import TinyModelSpec, build_tiny_model
@@ -93,12 +98,9 @@ class TestHFGeneratorConformance(GeneratorConformance):
 
     def new_weights(self, generator: Generator, seed: int) -> Iterable[tuple[str, torch.Tensor]]:
         assert isinstance(generator, HFGenerator)
-        g = torch.Generator().manual_seed(seed)
-        for name, t in generator.model.state_dict().items():
-            if name == "lm_head.weight":  # tied: sent once, as the embedding
-                continue
-            scale = max(float(t.float().std()) if t.numel() > 1 else 0.0, 0.05)
-            yield name, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+        state = generator.model.state_dict().items()
+        # lm_head.weight is tied: sent once, as the embedding
+        return perturbed_weights(((n, t) for n, t in state if n != "lm_head.weight"), seed)
 
     def teacher_forced_logprobs(
         self,

@@ -51,7 +51,24 @@ from rl_core.types import (
     WeightUpdate,
 )
 
-__all__ = ["FakeGenerator", "GeneratorConformance", "InMemoryTransport"]
+__all__ = [
+    "FakeGenerator",
+    "GeneratorConformance",
+    "InMemoryTransport",
+    "perturbed_weights",
+]
+
+
+def perturbed_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor plus seeded Gaussian noise of its own scale (its standard deviation, at least
+    0.05): weights that differ from the served ones, a ready :meth:`GeneratorConformance.new_weights`
+    for generators serving a real model."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in named_tensors:
+        scale = max(float(t.float().std()) if t.numel() > 1 else 0.0, 0.05)
+        yield name, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
