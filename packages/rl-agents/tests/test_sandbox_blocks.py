@@ -12,14 +12,47 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from rl_agents.tools import Sandbox
-from rl_agents.tools.sandbox import isolation_modes
+from rl_agents.tools.sandbox import NOBODY, isolation_modes
 
 MODES = isolation_modes()
+
+
+def _tasks_of(uid: int) -> tuple[int, int]:
+    """The tasks (threads) ``uid`` runs, and how many of its processes are zombies."""
+    tasks = zombies = 0
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                tasks += len(os.listdir(f"/proc/{pid}/task"))
+                with open(f"/proc/{pid}/stat") as f:
+                    zombies += f.read().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            pass
+    return tasks, zombies
+
+
+def _settle_tasks(uid: int, timeout_s: float = 20.0) -> None:
+    """Wait until ``uid``'s tasks are all reaped and their count held still for a second.
+    Without a user namespace of its own, the sandbox's ``RLIMIT_NPROC`` is the tasks the
+    user already runs plus ``max_processes``; the killed children of the previous bomb stay
+    zombies until init reaps them (~2 s here), and each one reaped during the next bomb lets
+    it fork once more (CI saw 18 forks for 16)."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        tasks, zombies = _tasks_of(uid)
+        if tasks == 0:
+            return
+        if (tasks, zombies) != last:
+            last, since = (tasks, zombies), time.monotonic()
+        elif zombies == 0 and time.monotonic() - since >= 1.0:
+            return
+        time.sleep(0.1)
 
 
 def _box(mode: str, **kw) -> Sandbox:
@@ -85,6 +118,7 @@ def test_fork_bomb_is_stopped_by_the_process_limit(mode):
         "    if pid == 0:\n        time.sleep(30); os._exit(0)\n    n += 1\nelse:\n"
         "    print('forked', n)\n"
     )
+    _settle_tasks(NOBODY if box.drops_root else os.getuid())
     with box.episode({"bomb.py": bomb}) as ep:
         res = ep.shell("python3 bomb.py")
     words = res.stdout.split()
