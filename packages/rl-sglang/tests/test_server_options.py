@@ -4,6 +4,10 @@ SGLang's own parser, and the refusal of contradictory settings. No server is sta
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +16,7 @@ from rl_core.config import from_dict
 from rl_core.errors import ConfigError
 from rl_sglang import ServerArgs, SGLangGenerator, server_argv
 from rl_sglang._launch import check_gpu_budget, typed_server_args, visible_gpus
+from rl_sglang.server import _write_atomic
 
 
 def _cfg(**kw: Any) -> SGLangGenerator.Config:
@@ -194,3 +199,43 @@ def test_lora_options() -> None:
         _cfg(max_lora_rank=8)
     with pytest.raises(ConfigError, match=r"server_args\.enable_lora: set by the typed field"):
         _cfg(server_args={"enable_lora": True})
+
+
+def test_options_cache_is_written_atomically(tmp_path: Path) -> None:
+    """Threads writing the options cache at once (each with its own content) never leave a
+    reader a partial file, nor a temp file behind; an unwritable folder is not an error."""
+    path = tmp_path / ".rl-sglang-server-args.json"
+    texts = [json.dumps({"writer": i, "pad": "x" * (200_000 + i)}) for i in range(6)]
+    stop, bad = threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                raw = path.read_text()
+            except FileNotFoundError:
+                continue
+            if raw not in texts:
+                bad.append(len(raw))
+
+    def write(text: str) -> None:
+        for _ in range(30):
+            _write_atomic(path, text)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(t,)) for t in texts]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    stop.set()
+    reader.join()
+    assert not bad, f"{len(bad)} partial reads, e.g. {bad[:3]} bytes"
+    assert path.read_text() in texts
+    assert os.listdir(tmp_path) == [path.name]
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anyway
+        _write_atomic(ro / "cache.json", "{}")
+        assert os.listdir(ro) == []

@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -213,6 +214,25 @@ json.dump(out, sys.stdout)
 """
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file of its own and a rename, so concurrent
+    writers (threads or processes) and readers never see a partial file. A cache: an
+    ``OSError`` (read-only venv, full disk) leaves ``path`` as it was."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 class ServerArgs:
     """Validation of SGLang server arguments given as a dictionary of ``ServerArgs`` fields."""
 
@@ -250,10 +270,7 @@ class ServerArgs:
                     "setup_sglang_env.sh or point `python` at an interpreter with sglang."
                 )
             raw = json.loads(proc.stdout)
-            with contextlib.suppress(OSError):
-                tmp = cache.with_name(f"{cache.name}.{os.getpid()}")
-                tmp.write_text(json.dumps(raw))
-                os.replace(tmp, cache)
+            _write_atomic(cache, json.dumps(raw))
         opts = {
             k: _Option(v["flag"], v["store_true"], v["choices"] and tuple(v["choices"]), v["nargs"])
             for k, v in raw.items()
