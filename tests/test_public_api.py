@@ -131,3 +131,27 @@ def test_versions_are_in_lockstep():
     assert len(pyprojects) == len(DISTRIBUTIONS)
     for pyproject in pyprojects:
         assert 'path = "src/rl_' in pyproject.read_text() and "/version.py" in pyproject.read_text()
+
+
+def test_runtime_code_does_not_need_the_test_extra():
+    """No module outside a ``testing`` package imports pytest, hypothesis or ``rl_core.testing``
+    (at module level or inside a function): they come with the ``test`` extra only, so such an
+    import fails on a plain install (``rl_hf._compile`` once took ``pack_sequences`` from
+    ``rl_core.testing.policy``, which imports pytest)."""
+    root = Path(__file__).resolve().parents[1]
+    banned = ("pytest", "hypothesis", "rl_core.testing")
+    found = []
+    for path in sorted([*root.glob("packages/*/src/**/*.py"), *root.glob("apps/*/src/**/*.py")]):
+        if "testing" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if any(name == b or name.startswith(b + ".") for b in banned):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {name}")
+    assert not found, "\n".join(found)

@@ -15,7 +15,13 @@ import torch
 
 from rl_core.types import Rollout, TrainBatch
 
-__all__ = ["gather_response", "pack_rollouts", "plan_micro_batches", "scatter_response"]
+__all__ = [
+    "gather_response",
+    "pack_rollouts",
+    "pack_sequences",
+    "plan_micro_batches",
+    "scatter_response",
+]
 
 
 def scatter_response(
@@ -151,3 +157,33 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> tuple[int, ..
         acc += n
     bounds.append(len(lengths))
     return tuple(bounds)
+
+
+def pack_sequences(
+    seqs: Sequence[torch.Tensor] | Sequence[Sequence[int]],
+    *,
+    micro_batch_bounds: tuple[int, ...] = (),
+    advantages: float = 1.0,
+) -> TrainBatch:
+    """Pack plain token sequences into a :class:`TrainBatch` (tests, compile warm-ups).
+
+    Every token but the first of each sequence is trained on (``loss_mask`` 1); ``loss_weights``
+    is the mask divided by the number of masked tokens (per-token mean); ``advantages`` is the
+    given constant on masked tokens.
+    """
+    tensors = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in seqs]
+    lengths_N = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+    cu_N1 = torch.zeros(len(tensors) + 1, dtype=torch.int64)
+    cu_N1[1:] = lengths_N.cumsum(0)
+    tokens_T = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64)
+    mask_T = torch.ones(tokens_T.shape[0], dtype=torch.float32)
+    mask_T[cu_N1[:-1][lengths_N > 0]] = 0.0
+    weights_T = mask_T / mask_T.sum().clamp_min(1.0)
+    return TrainBatch(
+        tokens=tokens_T,
+        cu_seqlens=cu_N1,
+        loss_mask=mask_T,
+        loss_weights=weights_T,
+        advantages=mask_T * advantages,
+        micro_batch_bounds=micro_batch_bounds,
+    )

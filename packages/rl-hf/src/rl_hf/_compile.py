@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from rl_core.batching import pack_sequences
 from rl_core.errors import ConfigError
 
 __all__ = ["compile_model", "warm_up"]
@@ -57,8 +58,6 @@ def warm_up(
     than that: the compiled graph of a short row is guarded to ``T <= max_positions`` packed
     tokens, and a longer row (many sequences packed) would recompile in the first train step.
     The caller clears the gradients. Returns the seconds it took."""
-    from rl_core.testing.policy import pack_sequences
-
     gen = torch.Generator().manual_seed(0)
     batches = [[7, 5, 9]]
     if max_positions:

@@ -56,41 +56,12 @@ from typing import ClassVar
 import pytest
 import torch
 
+from rl_core.batching import pack_sequences
 from rl_core.interfaces import LossFn, Policy
 from rl_core.testing._base import ConformanceSuite
 from rl_core.types import LossOutput, TrainBatch
 
 __all__ = ["PolicyConformance", "pack_sequences", "random_batch", "sft_loss"]
-
-
-def pack_sequences(
-    seqs: Sequence[torch.Tensor] | Sequence[Sequence[int]],
-    *,
-    micro_batch_bounds: tuple[int, ...] = (),
-    advantages: float = 1.0,
-) -> TrainBatch:
-    """Pack token sequences into a :class:`TrainBatch` for tests.
-
-    Every token but the first of each sequence is trained on (``loss_mask`` 1); ``loss_weights``
-    is the mask divided by the number of masked tokens (per-token mean); ``advantages`` is the
-    given constant on masked tokens.
-    """
-    tensors = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in seqs]
-    lengths_N = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-    cu_N1 = torch.zeros(len(tensors) + 1, dtype=torch.int64)
-    cu_N1[1:] = lengths_N.cumsum(0)
-    tokens_T = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64)
-    mask_T = torch.ones(tokens_T.shape[0], dtype=torch.float32)
-    mask_T[cu_N1[:-1][lengths_N > 0]] = 0.0
-    weights_T = mask_T / mask_T.sum().clamp_min(1.0)
-    return TrainBatch(
-        tokens=tokens_T,
-        cu_seqlens=cu_N1,
-        loss_mask=mask_T,
-        loss_weights=weights_T,
-        advantages=mask_T * advantages,
-        micro_batch_bounds=micro_batch_bounds,
-    )
 
 
 def random_batch(
