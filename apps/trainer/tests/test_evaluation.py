@@ -94,3 +94,20 @@ def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path, tiny_recipe_dict)
 def test_eval_config_errors_name_the_field(tmp_path, tiny_recipe_dict, section, message):
     with pytest.raises(ConfigError, match=message):
         load_trainer_config(tiny_recipe_dict(tmp_path, eval=section))
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_async_run_ends_with_the_generator_at_the_final_weights(tmp_path, tiny_recipe_dict, every):
+    """An async run serves each round the version it was scheduled with; at the end the
+    generator holds the final policy's weights, with or without an eval at the last step."""
+    cfg = load_trainer_config(
+        tiny_recipe_dict(
+            tmp_path / "run",
+            rl={"steps": 3, "async_generation": True, "max_staleness": 1},
+            eval={"every": every},
+        )
+    )
+    trainer = Trainer(cfg)
+    trainer.run()
+    assert trainer.policy.version == 3
+    assert trainer.generator.weight_version == trainer.policy.version

@@ -77,6 +77,10 @@ async def run(trainer: Trainer) -> bool:
             await trainer.pipeline.release(trainer.policy.version, _weights_copy(trainer))
     if trainer.pipeline is not None:  # continuous mode: the producer pauses after its round
         await trainer.pipeline.drain(trainer.policy.version)
+        if trainer.generator.weight_version != trainer.policy.version:
+            # Async rounds are served the version they were scheduled with: without an eval at
+            # the last step, the generator (and its engines) would end one version behind.
+            await stages.sync_weights(trainer)
     trainer.handover.onload_models()  # the phase ends with the models on the device
     # The final model first: if writing it fails, the weights are already on disk
     # (HFPolicy.save writes a plain safetensors file before converting).
