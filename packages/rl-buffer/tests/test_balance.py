@@ -53,8 +53,11 @@ def _check_plan(plan, lengths, dp, cap, ids):
     # every sample exactly once
     flat = sorted(i for r in range(dp) for i in plan.rank_samples(r))
     assert flat == list(range(n))
-    # equal micro-batch counts
+    # equal micro-batch counts; a micro-batch is empty only when its rank has too few samples
     assert len({len(mbs) for mbs in plan.micro_batches}) == 1
+    for mbs in plan.micro_batches:
+        held = sum(len(mb) for mb in mbs)
+        assert sum(1 for mb in mbs if not mb) == max(0, len(mbs) - held)
     # caps hold; an over-cap sample is alone
     for mbs in plan.micro_batches:
         for mb in mbs:
@@ -97,6 +100,73 @@ def test_schedule_properties(step):
             c = estimate_flops_array(lengths, SHAPE)
             lpt_max = np.bincount(lpt_partition(c, dp), weights=c, minlength=dp).max()
             assert max(plan.flops_per_rank) <= lpt_max * (1 + 1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps(), st.integers(1, 8))
+def test_schedule_with_prefix_groups_keeps_a_group_together(step, n_groups):
+    """With ``prefix_groups`` the plan is as valid as without (caps, equal counts, every sample
+    once, fan-out siblings on one rank); on one rank every group is split over no more
+    micro-batches than first-fit decreasing needs for it alone (one when it fits the cap)."""
+    lengths, dp, cap, ids = step
+    groups = [i % n_groups for i in range(len(lengths))]
+    plan = schedule_step(
+        lengths,
+        dp_size=dp,
+        max_tokens_per_micro_batch=cap,
+        shape=SHAPE,
+        rollout_ids=ids,
+        prefix_groups=groups,
+    )
+    _check_plan(plan, lengths, dp, cap, ids)
+    if dp == 1:
+        for g in range(n_groups):
+            members = [i for i in range(len(lengths)) if groups[i] == g]
+            used = {m for m, mb in enumerate(plan.micro_batches[0]) if set(mb) & set(members)}
+            fits = [lengths[i] for i in members if lengths[i] <= cap]
+            over = len(members) - len(fits)
+            need = len(pack_micro_batches(range(len(fits)), fits, cap)) if fits else 0
+            assert len(used) <= need + over
+
+
+def test_prefix_groups_put_each_group_in_one_micro_batch():
+    """Four groups of four samples (a group fits the cap, two do not): sample-level balance
+    spreads every group over several micro-batches, prefix groups give one group each."""
+    lengths = [90, 60, 50, 40, 85, 65, 55, 35, 80, 70, 45, 45, 95, 55, 50, 40]
+    groups = [i // 4 for i in range(16)]
+
+    def spread(plan):
+        return [
+            len({m for m, mb in enumerate(plan.micro_batches[0]) if i // 4 in {j // 4 for j in mb}})
+            for i in range(0, 16, 4)
+        ]
+
+    plain = schedule_step(lengths, dp_size=1, max_tokens_per_micro_batch=250)
+    grouped = schedule_step(
+        lengths, dp_size=1, max_tokens_per_micro_batch=250, prefix_groups=groups
+    )
+    assert max(spread(plain)) > 1
+    assert spread(grouped) == [1, 1, 1, 1]
+    assert plain.num_micro_batches == grouped.num_micro_batches == 4
+    assert all(sum(lengths[i] for i in mb) <= 250 for mb in grouped.micro_batches[0])
+
+
+def test_prefix_groups_fall_back_to_samples_rather_than_empty_micro_batches():
+    """Two ranks must have equal micro-batch counts; a rank holding one big group still fills
+    every micro-batch (sample by sample) instead of leaving one empty."""
+    lengths = [40] * 6 + [100, 100, 100]
+    groups = ["a"] * 6 + ["b", "c", "d"]  # also the fan-out ids: group a stays on one rank
+    plan = schedule_step(
+        lengths,
+        dp_size=2,
+        max_tokens_per_micro_batch=240,
+        shape=SHAPE,
+        rollout_ids=groups,
+        prefix_groups=groups,
+    )
+    _check_plan(plan, lengths, 2, 240, groups)
+    assert plan.num_micro_batches == 2 and sorted(map(len, plan.micro_batches[0])) != [0, 6]
+    assert all(mb for mbs in plan.micro_batches for mb in mbs)
 
 
 @settings(max_examples=40, deadline=None)

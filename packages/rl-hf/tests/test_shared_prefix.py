@@ -140,6 +140,7 @@ def _policies(qwen_dir: Path, **kw) -> tuple[HFPolicy, HFPolicy]:
 )
 def test_logprobs_entropy_and_training_match_unshared(qwen_dir: Path, kw: dict) -> None:
     plain, shared = _policies(qwen_dir, **kw)
+    assert shared.shares_prefixes and not plain.shares_prefixes  # what the trainer plans by
     batch = grouped_batch(GROUPS, seed=5, micro_batch_bounds=(0, 4, 10))
     a = plain.compute_logprobs(batch, with_entropy=True)
     b = shared.compute_logprobs(batch, with_entropy=True)

@@ -303,13 +303,17 @@ def plan(
 ) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
     """FLOPs-balanced plan (rl-buffer's scheduler) under the token cap: the order to pack the
     rollouts in, the micro-batch bounds and, with data-parallel policy ranks, the shard
-    bounds (``()`` for one rank). Shards are packed one after the other in rank order."""
+    bounds (``()`` for one rank). Shards are packed one after the other in rank order. For a
+    policy that ``shares_prefixes``, a group's samples (one ``prompt_uid``) share a
+    micro-batch where the cap allows."""
     dp = int(getattr(policy, "data_parallel_size", 1))
+    shares = bool(getattr(policy, "shares_prefixes", False))
     schedule = schedule_step(
         rollouts,
         dp_size=dp,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         shape=policy.model_shape,
+        prefix_groups=[r.prompt_uid for r in rollouts] if shares else None,
     )
     if dp == 1:
         return schedule.rank_samples(0), schedule.micro_batch_bounds(0), ()

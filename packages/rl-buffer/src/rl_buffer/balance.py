@@ -26,7 +26,7 @@ import contextlib
 import gc
 import heapq
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -404,6 +404,32 @@ def split_steps(rollout_ids: Sequence[str], num_steps: int) -> list[list[int]]:
     return steps
 
 
+def _runs(
+    indices: Sequence[int], tok: np.ndarray, cap: int, groups: Sequence[Hashable] | None
+) -> tuple[list[list[int]], np.ndarray]:
+    """The packing units of a rank's ``indices`` and their tokens: single samples, or (with
+    ``groups``) each group's samples cut into first-fit-decreasing runs of at most ``cap``
+    tokens (an over-cap sample is a run of its own)."""
+    if groups is None:
+        return [[i] for i in indices], tok[np.asarray(indices, dtype=np.int64)]
+    by_key: dict[Hashable, list[int]] = {}
+    for i in indices:
+        by_key.setdefault(groups[i], []).append(i)
+    units: list[list[int]] = []
+    for members in by_key.values():
+        over, rest = _split_over(members, tok, cap)
+        units += [[i] for i in over] + _ffd_bins(rest, tok, cap)
+    unit_tok = np.array([int(tok[u].sum()) for u in units], dtype=np.int64)
+    return units, unit_tok
+
+
+def _expand(bins: list[list[int]], units: list[list[int]]) -> list[list[int]]:
+    """Bins of unit indices as bins of sample indices (increasing; bins by first index)."""
+    out = [sorted(i for u in b for i in units[u]) for b in bins]
+    out.sort(key=lambda b: b[0] if b else float("inf"))
+    return out
+
+
 # -- the scheduler --------------------------------------------------------------------------
 
 
@@ -416,6 +442,7 @@ def schedule_step(
     rollout_ids: Sequence[str] | None = None,
     costs: Sequence[float] | None = None,
     tolerance: float = 1e-7,
+    prefix_groups: Sequence[Hashable] | None = None,
 ) -> SchedulePlan:
     """Split one optimizer step's samples over ``dp_size`` ranks and into micro-batches.
 
@@ -430,13 +457,27 @@ def schedule_step(
         costs: per-sample costs overriding the FLOPs estimate.
         tolerance: stop refining once the most loaded rank is within this fraction of the
             lower bound (the local search also stops when no move or swap helps).
+        prefix_groups: per-sample key of the prompt it shares (a GRPO group's ``prompt_uid``),
+            for a policy that computes a micro-batch's shared prompt once
+            (``HFPolicy.Config.share_prefix``): a rank's samples of one key are packed into
+            the same micro-batch, or, when they exceed the cap together, into as few as
+            first-fit decreasing needs; those runs are then packed whole. The cap is still on
+            full tokens (attention keeps one row per sample). ``None``: samples are packed
+            one by one (token balance only).
 
     Returns:
         A :class:`SchedulePlan` in which every sample appears exactly once.
     """
     with _no_gc():
         return _schedule(
-            samples, dp_size, max_tokens_per_micro_batch, shape, rollout_ids, costs, tolerance
+            samples,
+            dp_size,
+            max_tokens_per_micro_batch,
+            shape,
+            rollout_ids,
+            costs,
+            tolerance,
+            prefix_groups,
         )
 
 
@@ -448,6 +489,7 @@ def _schedule(
     rollout_ids: Sequence[str] | None,
     costs: Sequence[float] | None,
     tolerance: float,
+    prefix_groups: Sequence[Hashable] | None = None,
 ) -> SchedulePlan:
     if dp_size < 1:
         raise ConfigError(f"schedule_step: dp_size must be >= 1, got {dp_size}.")
@@ -470,8 +512,14 @@ def _schedule(
         c = estimate_flops_array(tokens, shape)
     else:
         c = tokens.astype(np.float64)
-    if len(c) != n or (rollout_ids is not None and len(rollout_ids) != n):
-        raise ValueError("schedule_step: samples, costs and rollout_ids must have equal lengths.")
+    if (
+        len(c) != n
+        or (rollout_ids is not None and len(rollout_ids) != n)
+        or (prefix_groups is not None and len(prefix_groups) != n)
+    ):
+        raise ValueError(
+            "schedule_step: samples, costs, rollout_ids and prefix_groups must have equal lengths."
+        )
 
     # fan-out units: all samples of one rollout_id go to the same rank
     if rollout_ids is None:
@@ -496,13 +544,24 @@ def _schedule(
             int(tokens[over].max()),
         )
     cap = max_tokens_per_micro_batch
-    parts = [_split_over(ix, tokens, cap) for ix in per_rank]
-    own = [_pack_min(over_r, rest_r, tokens, cap) for over_r, rest_r in parts]
+    runs = [_runs(ix, tokens, cap, prefix_groups) for ix in per_rank]
+    parts = [_split_over(range(len(r)), run_tok, cap) for r, run_tok in runs]
+    own = [
+        _pack_min(over_r, rest_r, run_tok, cap)
+        for (over_r, rest_r), (_, run_tok) in zip(parts, runs)
+    ]
     k = max(1, *(len(b) + len(p[0]) for b, p in zip(own, parts)))
     packed = []
-    for (over_r, rest_r), own_r in zip(parts, own):
-        bins = _pack_to(over_r, rest_r, tokens, cap, k, own_r)
+    for (over_r, rest_r), own_r, (rank_runs, run_tok), ix in zip(parts, own, runs, per_rank):
+        bins = _pack_to(over_r, rest_r, run_tok, cap, k, own_r)
         assert bins is not None  # k >= every rank's own count
+        bins = _expand(bins, rank_runs)
+        if prefix_groups is not None and sum(1 for b in bins if not b) > max(0, k - len(ix)):
+            # Whole runs left a micro-batch empty that single samples would fill (equal counts
+            # across ranks): this rank is packed sample by sample.
+            over_s, rest_s = _split_over(ix, tokens, cap)
+            bins = _pack_to(over_s, rest_s, tokens, cap, k, _pack_min(over_s, rest_s, tokens, cap))
+            assert bins is not None
         packed.append(bins)
     loads = np.bincount(rank_of, weights=c, minlength=dp_size) if n else np.zeros(dp_size)
     toks = np.bincount(rank_of, weights=tokens, minlength=dp_size) if n else np.zeros(dp_size)

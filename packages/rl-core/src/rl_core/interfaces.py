@@ -144,6 +144,13 @@ class Policy(abc.ABC):
     def onload(self) -> None:  # noqa: B027 - optional capability
         """Undo :meth:`offload`; default no-op."""
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether the policy computes the prompt that sequences of one micro-batch share once
+        (``HFPolicy.Config.share_prefix``); the trainer then packs a group's samples into the
+        same micro-batch (``rl_buffer.schedule_step``'s ``prefix_groups``). Default ``False``."""
+        return False
+
     # LoRA (rl_core.lora): a policy built with ``lora`` trains adapters only, the base frozen.
     @property
     def lora(self) -> LoRAConfig | None:

@@ -386,6 +386,11 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
 
     # ------------------------------------------------------------------ forward
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """``share_prefix``, except on a mixture-of-experts model (per-token routing replay)."""
+        return self.config.share_prefix and self._router_tap is None
+
     def _packed_inputs(
         self, batch: TrainBatch
     ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None]:
@@ -397,7 +402,7 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
             batch,
             self.device,
             sdpa=self.config.attn_implementation == "sdpa",
-            share_prefix=self.config.share_prefix and self._router_tap is None,
+            share_prefix=self.shares_prefixes,
         )
 
     def _packed_logprobs(
