@@ -416,11 +416,18 @@ def _runs(
     for i in indices:
         by_key.setdefault(groups[i], []).append(i)
     units: list[list[int]] = []
+    sizes: list[int] = []
     for members in by_key.values():
+        total = int(tok[members].sum())
+        if total <= cap:  # the common case: the whole group is one run
+            units.append(members)
+            sizes.append(total)
+            continue
         over, rest = _split_over(members, tok, cap)
-        units += [[i] for i in over] + _ffd_bins(rest, tok, cap)
-    unit_tok = np.array([int(tok[u].sum()) for u in units], dtype=np.int64)
-    return units, unit_tok
+        for run in [[i] for i in over] + _ffd_bins(rest, tok, cap):
+            units.append(run)
+            sizes.append(int(tok[run].sum()))
+    return units, np.array(sizes, dtype=np.int64)
 
 
 def _expand(bins: list[list[int]], units: list[list[int]]) -> list[list[int]]:
