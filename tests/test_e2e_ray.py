@@ -301,6 +301,7 @@ def test_critic_on_the_policy_ranks_matches_the_local_run(short_local_run, tmp_p
     on_ray = tmp_path / "critic_ray"
     trainer = _run(on_ray, *SHORT, "critic.type=hf", "algorithm.advantage=gae")
     assert type(trainer.critic).__name__ == "RayCritic"
+    assert trainer.policy.shares_prefixes  # the ranks' HFPolicy: groups planned as locally
     a = _assert_same_records(on_ray, short_local_run)
     rl = [r for r in a if r["phase"] == "rl" and r["step"]]
     assert all(r["critic/grad_norm"] > 0 for r in rl)

@@ -85,18 +85,20 @@ class PolicyRank:
 
     def build(
         self, role: str, spec: ComponentSpec, kind: str = "policy"
-    ) -> tuple[int, ModelShape | None, int]:
+    ) -> tuple[int, ModelShape | None, int, bool]:
         """Build the model of ``role`` (replacing an earlier one) from the registry group of
-        ``kind`` (``policy`` or ``critic``); returns version, shape (policies only) and this
-        rank's data-parallel index (``layout.dp_rank`` of a parallel model, else 0)."""
+        ``kind`` (``policy`` or ``critic``); returns version, shape (policies only), this
+        rank's data-parallel index (``layout.dp_rank`` of a parallel model, else 0) and
+        whether it ``shares_prefixes`` (policies only)."""
 
-        def run() -> tuple[int, ModelShape | None, int]:
+        def run() -> tuple[int, ModelShape | None, int, bool]:
             self.models.pop(role, None)
             model = registry.build(kind, spec, field=kind)
             self.models[role] = model
             layout = getattr(model, "layout", None)
             shape = model.model_shape if kind == "policy" else None
-            return model.version, shape, int(getattr(layout, "dp_rank", 0))
+            shares = kind == "policy" and bool(getattr(model, "shares_prefixes", False))
+            return model.version, shape, int(getattr(layout, "dp_rank", 0)), shares
 
         return self._on_model_thread(run)
 
@@ -421,11 +423,18 @@ class RayPolicy(_RankGroup, Policy):
     """A :class:`~rl_core.interfaces.Policy` in the SPMD ranks of the Ray policy group (see
     :class:`_RankGroup` for how calls reach the ranks)."""
 
+    _shares_prefixes = False  # what the ranks' policy reports (set by the runtime)
+
     @property
     def model_shape(self) -> ModelShape:
         """Architecture numbers (from rank 0)."""
         assert self._shape is not None
         return self._shape
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether the ranks' policy computes shared prompts once (from rank 0)."""
+        return self._shares_prefixes
 
     def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False) -> LogProbOutput:
         """Log-probs on every rank; rank 0's result, or with data-parallel shards each

@@ -161,7 +161,7 @@ class RayRuntime:
             built = ray.get([r.build.remote(role, spec) for r in self.ranks])
         except ray.exceptions.RayActorError as e:
             raise RLError(f"policy ({role}): a policy rank died while building ({e}).") from e
-        version, shape, _ = built[0]
+        version, shape, _, shares = built[0]
         proxy = RayPolicy(
             self.ranks,
             role=role,
@@ -169,10 +169,11 @@ class RayRuntime:
             shape=shape,
             timeout_s=self.config.policy_timeout_s,
             colocation=self.colocation,
-            dp_ranks=[dp for _, _, dp in built],
+            dp_ranks=[dp for _, _, dp, _ in built],
         )
         cls = registry.resolve(registry.GROUPS["policy"], spec.type, field=f"{role}.type")
         proxy.supports_routing_replay = bool(getattr(cls, "supports_routing_replay", False))
+        proxy._shares_prefixes = shares
         self._policies[role] = proxy
         return proxy
 
@@ -191,7 +192,7 @@ class RayRuntime:
             shape=None,
             timeout_s=self.config.policy_timeout_s,
             colocation=self.colocation,
-            dp_ranks=[dp for _, _, dp in built],
+            dp_ranks=[dp for _, _, dp, _ in built],
         )
 
     def build_generator(self, spec: ComponentSpec) -> Generator:
