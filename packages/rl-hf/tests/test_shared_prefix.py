@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from rl_core.testing.policy import sft_loss
 from rl_core.types import TrainBatch
 from rl_hf import HFCritic, HFPolicy, TinyModelSpec, build_tiny_model
+from rl_hf._hf import token_logprobs
 from rl_hf._packed_attention import PackingInfo, SharedPrefix
 
 VOCAB = 260
@@ -174,3 +175,33 @@ def test_critic_values_match_unshared(qwen_dir: Path) -> None:
     torch.testing.assert_close(
         shared.compute_values(batch), plain.compute_values(batch), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"temperature": 0.7}, {"top_p": 0.8}, {"top_k": 5, "temperature": 1.3}],
+    ids=["plain", "temperature", "top_p", "top_k"],
+)
+def test_token_logprobs_on_compact_rows_equal_the_expanded_logits(kw: dict) -> None:
+    """``token_logprobs(logits_CV, ..., rows_T=expand_T)`` (log-sum-exp and entropy once per
+    compact row) gives the log-probs, entropy and logits gradient of the ``[T, V]`` logits
+    gathered from the compact row."""
+    gen = torch.Generator().manual_seed(3)
+    rows_T = torch.tensor([0, 1, 2, 3, 0, 1, 2, 4, 5, 0, 1, 6], dtype=torch.int64)  # C = 7
+    starts_T = torch.tensor([1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0], dtype=torch.bool)
+    tokens_T = torch.randint(0, 11, (12,), generator=gen)
+    base_CV = torch.randn(7, 11, generator=gen) * 3
+    out = []
+    for compact in (False, True):
+        logits_CV = base_CV.clone().requires_grad_(True)
+        logits = logits_CV if compact else logits_CV.index_select(0, rows_T)
+        logp_T, ent_T = token_logprobs(
+            logits, tokens_T, starts_T, with_entropy=True, rows_T=rows_T if compact else None, **kw
+        )
+        (logp_T * torch.arange(12.0)).sum().add(ent_T.sum()).backward()
+        out.append((logp_T.detach(), ent_T.detach(), logits_CV.grad))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = out
+    assert bool((lp_a[~starts_T] < 0).all()) and bool((ent_a[~starts_T] > 0).all())
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(g_b, g_a, atol=1e-6, rtol=1e-6)

@@ -44,6 +44,7 @@ def token_logprobs(
     with_entropy: bool = False,
     top_p: float = 1.0,
     top_k: int = 0,
+    rows_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token under the logits of the position before it, and that entropy.
 
@@ -56,35 +57,52 @@ def token_logprobs(
         top_p: renormalise over the sampler's top-p candidate set (1: off), see
             :func:`rl_core.logprobs.truncate_logits`; the entropy is then the truncated one.
         top_k: renormalise over the sampler's top-k candidate set (0: off).
+        rows_T: ``[T]`` the row of ``logits_TV`` (then ``[C, V]``) holding each packed token's
+            logits, for a forward on a compact row (shared prefixes: ``expand_T`` of
+            :func:`rl_hf._packed_attention.packed_inputs`); ``None``: row ``t``. The
+            log-sum-exp and entropy are then computed once per compact row and gathered, and no
+            ``[T, V]`` copy is made (with truncation the candidate set depends on each target,
+            so the rows are expanded first).
 
     Returns:
         ``logp_T`` (float32, 0 at sequence starts) and ``entropy_T`` (or ``None``).
-        Memory: besides ``logits_TV`` at most one ``[T, V]`` temporary exists at a time
-        (log-sum-exp and gather instead of a full ``log_softmax``).
+        Memory: besides ``logits_TV`` at most one ``[T, V]`` (``[C, V]``) temporary exists at a
+        time (log-sum-exp and gather instead of a full ``log_softmax``).
     """
     if tokens_T.shape[0] == 0:
         empty_T = logits_TV.new_zeros(0, dtype=torch.float32)
         return empty_T, (empty_T if with_entropy else None)
-    logits_SV = logits_TV[:-1]
-    if logits_SV.dtype != torch.float32:
-        logits_SV = logits_SV.float()
+    cut = truncates(top_p, top_k)
+    if rows_T is not None and cut:
+        logits_TV, rows_T = logits_TV.index_select(0, rows_T), None
+    # R: the logits rows scored (the first T - 1 packed rows, or every compact row once)
+    logits_RV = logits_TV[:-1] if rows_T is None else logits_TV
+    if logits_RV.dtype != torch.float32:
+        logits_RV = logits_RV.float()
     if temperature != 1.0:
-        logits_SV = logits_SV / temperature
-    if truncates(top_p, top_k):
-        logits_SV = truncate_logits(logits_SV, top_p=top_p, top_k=top_k, keep_R=tokens_T[1:])
-    lse_S = torch.logsumexp(logits_SV, dim=-1)
-    target_S = logits_SV.gather(-1, tokens_T[1:, None]).squeeze(-1)
+        logits_RV = logits_RV / temperature
+    if cut:
+        logits_RV = truncate_logits(logits_RV, top_p=top_p, top_k=top_k, keep_R=tokens_T[1:])
+    lse_R = torch.logsumexp(logits_RV, dim=-1)
+    if rows_T is None:
+        target_S = logits_RV.gather(-1, tokens_T[1:, None]).squeeze(-1)
+        lse_S = lse_R
+    else:
+        rows_S = rows_T[:-1]
+        target_S = logits_RV[rows_S, tokens_T[1:]]
+        lse_S = lse_R.index_select(0, rows_S)
     keep_T = ~starts_T
     zero_1 = lse_S.new_zeros(1)
     logp_T = torch.where(keep_T, torch.cat([zero_1, target_S - lse_S]), 0.0)
     if not with_entropy:
         return logp_T, None
-    # H = lse - sum_v p_v * z_v; the dot product runs as a batched matmul (no [S, V] product).
-    p_SV = torch.softmax(logits_SV, dim=-1)
-    if truncates(top_p, top_k):  # cut entries: p = 0 and z = -inf; their product is 0
-        logits_SV = logits_SV.nan_to_num(neginf=0.0)
-    expected_S = torch.bmm(p_SV.unsqueeze(1), logits_SV.unsqueeze(2)).view(-1)
-    entropy_S = (lse_S - expected_S).clamp_min(0.0)
+    # H = lse - sum_v p_v * z_v; the dot product runs as a batched matmul (no [R, V] product).
+    p_RV = torch.softmax(logits_RV, dim=-1)
+    if cut:  # cut entries: p = 0 and z = -inf; their product is 0
+        logits_RV = logits_RV.nan_to_num(neginf=0.0)
+    expected_R = torch.bmm(p_RV.unsqueeze(1), logits_RV.unsqueeze(2)).view(-1)
+    entropy_R = (lse_R - expected_R).clamp_min(0.0)
+    entropy_S = entropy_R if rows_T is None else entropy_R.index_select(0, rows_T[:-1])
     entropy_T = torch.where(keep_T, torch.cat([zero_1, entropy_S]), 0.0)
     return logp_T, entropy_T
 

@@ -420,16 +420,15 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         position_ids_T, kwargs, expand_T = self._packed_inputs(batch)
         if not self._uses_hidden_path():
             logits_TV = self._forward(batch, lambda: self.model(**kwargs).logits)[0]
-            if expand_T is not None:
-                logits_TV = logits_TV.index_select(0, expand_T)
             return token_logprobs(
-                logits_TV,
+                logits_TV,  # [C, V] on the compact row with shared prefixes
                 tokens_T,
                 position_ids_T == 0,
                 temperature=self.config.temperature,
                 with_entropy=with_entropy,
                 top_p=self.config.top_p,
                 top_k=self.config.top_k,
+                rows_T=expand_T,
             )
         # Score from the final hidden states: only the needed positions, in chunks.
         hidden_TH = self._forward(batch, lambda: self.model.base_model(**kwargs).last_hidden_state)[
