@@ -5,6 +5,7 @@ second signal exits at once. Also: a normal run is free of third-party FutureWar
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,14 +33,20 @@ def _finish(proc: subprocess.Popen, code: int = 0) -> str:
     return out
 
 
-def _signal_when(proc: subprocess.Popen, run_dir: Path, phase: str, step: int, signum: int):
-    """Send ``signum`` once ``metrics.jsonl`` holds the record of ``phase`` step ``step``."""
+def _signal_when(
+    proc: subprocess.Popen, run_dir: Path, phase: str, step: int, signum: int, group: bool = False
+):
+    """Send ``signum`` once ``metrics.jsonl`` holds the record of ``phase`` step ``step`` (to
+    the process group ``proc`` leads with ``group``, as Ctrl-C in a terminal does)."""
     deadline = time.time() + 600
     while not any(r["phase"] == phase and r["step"] >= step for r in _records(run_dir)):
         assert proc.poll() is None, "run ended before the signal: " + proc.stdout.read()
         assert time.time() < deadline, f"no {phase} step {step} after 600 s"
         time.sleep(0.01)
-    proc.send_signal(signum)
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
 
 
 def _assert_same_run(run_a: Path, run_b: Path) -> None:
@@ -52,14 +59,17 @@ def _assert_same_run(run_a: Path, run_b: Path) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def _stop_and_resume(tiny_recipe, cli, phase: str, step: int, signum: int, *overrides: str):
-    """Run a straight and a stopped-then-resumed copy of the tiny recipe; returns the stopped
+def _stop_and_resume(
+    tiny_recipe, cli, phase: str, step: int, signum: int, *overrides: str, group: bool = False
+):
+    """Run a straight and a stopped-then-resumed copy of the tiny recipe (the stopped one in a
+    session of its own, its process group signalled, with ``group``); returns the stopped
     run's output and its summary."""
     recipe_a, run_a = tiny_recipe("straight", rl_steps=8)
     recipe_b, run_b = tiny_recipe("stopped", rl_steps=8)
     straight = cli("run", str(recipe_a), "--no-report", *overrides)
-    proc = cli("run", str(recipe_b), "--no-report", *overrides)
-    _signal_when(proc, run_b, phase, step, signum)
+    proc = cli("run", str(recipe_b), "--no-report", *overrides, start_new_session=group)
+    _signal_when(proc, run_b, phase, step, signum, group=group)
     out = _finish(proc, EXIT_STOPPED)
     _finish(straight)
     name = signal.Signals(signum).name
@@ -115,6 +125,22 @@ def test_sigterm_async_mid_rl_then_resume_is_exact(tiny_recipe, cli):
         "rl.async_generation=true",
         "--set",
         "rl.max_staleness=1",
+    )
+
+
+def test_ctrl_c_to_the_process_group_stops_a_generator_process_run_cleanly(tiny_recipe, cli):
+    """Ctrl-C in a terminal signals the whole foreground process group, the generator child of
+    ``runtime.generator_process`` too: the child ignores it (the trainer closes it), so the run
+    stops after the current step as without the child, and resumes exactly."""
+    _stop_and_resume(
+        tiny_recipe,
+        cli,
+        "rl",
+        2,
+        signal.SIGINT,
+        *("--set", "rl.async_generation=true", "--set", "rl.max_staleness=1"),
+        *("--set", "runtime.generator_process=true"),
+        group=True,
     )
 
 

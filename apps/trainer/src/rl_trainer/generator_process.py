@@ -26,6 +26,7 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import signal
 import threading
 import traceback
 from collections.abc import Iterable, Sequence
@@ -312,7 +313,13 @@ def _rebuild_error(payload: tuple[str, str, bytes | None]) -> BaseException:
 
 
 def _serve(conn: Any, spec: ComponentSpec, threads: int) -> None:
-    """The child: build the generator, then serve commands until ``close`` or a closed pipe."""
+    """The child: build the generator, then serve commands until ``close`` or a closed pipe.
+
+    It ignores SIGINT and SIGTERM: Ctrl-C (or a scheduler) signals the whole process group, and
+    the trainer, stopping cleanly after its current step, still needs the generator; the trainer
+    closes it, and a trainer that dies closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(max(1, threads))
     try:
         generator = registry.build("generator", spec, field="generator")
