@@ -85,13 +85,15 @@ def test_unknown_compile_scope_names_the_field(model_dir: Path) -> None:
         HFPolicy.Config(model_path=str(model_dir), compile_scope="blocks")  # type: ignore[arg-type]
 
 
-def test_compiled_policy_warms_up_at_build_and_matches_eager(tmp_path: Path) -> None:
-    """The start-up compile covers short and long packed rows (longer than the model's
-    ``max_position_embeddings``): train steps of 3 to 40 sequences compile nothing more, and
-    log-probs, losses and the updated weights equal eager ones within float rounding."""
+@pytest.mark.parametrize("context", [64, 32768])
+def test_compiled_policy_warms_up_at_build_and_matches_eager(tmp_path: Path, context: int) -> None:
+    """The start-up compile covers short and long packed rows (longer than a small model's
+    ``max_position_embeddings``; 8000 tokens, which recompiled after a warm-up on short rows
+    only, at any context): train steps of 3 to 40 sequences compile nothing more, and log-probs,
+    losses and the updated weights equal eager ones within float rounding."""
     from torch._dynamo.utils import counters
 
-    spec = TinyModelSpec(arch="qwen2", max_position_embeddings=64)
+    spec = TinyModelSpec(arch="qwen2", max_position_embeddings=context)
     path = str(build_tiny_model(tmp_path / "m", spec))
     torch._dynamo.reset()
     counters.clear()
@@ -101,7 +103,7 @@ def test_compiled_policy_warms_up_at_build_and_matches_eager(tmp_path: Path) -> 
     assert compiles >= 1
     eager = HFPolicy(HFPolicy.Config(model_path=path, lr=1e-3))
     vocab = eager.model_shape.vocab_size
-    for step, lengths in enumerate([[6, 9, 4], [8] * 40, [5] * 12]):  # 19, 320, 60 tokens
+    for step, lengths in enumerate([[6, 9, 4], [8] * 40, [5] * 12, [200] * 40]):  # 19 - 8000
         batch = random_batch(vocab, lengths, seed=step)
         want = eager.compute_logprobs(batch).logprobs
         got = compiled.compute_logprobs(batch).logprobs

@@ -49,22 +49,27 @@ def compile_model(model: Any, scope: Literal["layers", "model"]) -> list[str]:
     return [n for n, _ in blocks]
 
 
-def warm_up(
-    forward_logprobs: Callable[[Any], torch.Tensor], vocab_size: int, max_positions: int | None
-) -> float:
+LONG_ROW = (257, 17)
+"""Sequences x tokens of the warm-up's long packed row (4369 tokens). Measured (torch 2.13,
+qwen2 layers, ``dynamic=True``): after a compile on short rows only, a packed row of 8000 tokens
+compiled again (rows up to 6400 did not); a second warm-up compile on a row of about 4400 tokens
+gives the graph every later row reused (rows of 2816 to 16 000 tokens, up to 512 sequences,
+``max_position_embeddings`` 512 to 32 768), one of 2200 tokens does not. The row also exceeds
+``max_position_embeddings`` up to 4352, which the warm-up covered before (a small-context
+model's rows longer than it recompiled). It no longer grows with ``max_position_embeddings``:
+at 32k that was a 35k-token forward and backward at start-up."""
+
+
+def warm_up(forward_logprobs: Callable[[Any], torch.Tensor], vocab_size: int) -> float:
     """Compile now: ``forward_logprobs`` (the policy's packed train forward, a ``TrainBatch`` to
-    log-probs ``[T]``) and a backward pass, on three short dummy sequences and, when the model
-    has a ``max_positions`` (its ``max_position_embeddings``), once more on a packed row longer
-    than that: the compiled graph of a short row is guarded to ``T <= max_positions`` packed
-    tokens, and a longer row (many sequences packed) would recompile in the first train step.
-    The caller clears the gradients. Returns the seconds it took."""
+    log-probs ``[T]``) and a backward pass, on three short dummy sequences and once more on a
+    long packed row of many short sequences (:data:`LONG_ROW`), so the first train steps do
+    not recompile. The caller clears the gradients. Returns the seconds it took."""
     gen = torch.Generator().manual_seed(0)
-    batches = [[7, 5, 9]]
-    if max_positions:
-        n = max_positions // 16 + 1
-        batches.append([17] * n)  # n * 17 > max_positions tokens, each sequence short
+    n, length = LONG_ROW
+    batches = [[7, 5, 9], [length] * n]
     t0 = time.perf_counter()
     for lengths in batches:
-        seqs = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+        seqs = [torch.randint(0, vocab_size, (k,), generator=gen) for k in lengths]
         forward_logprobs(pack_sequences(seqs)).sum().backward()
     return time.perf_counter() - t0

@@ -270,7 +270,6 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
             took = warm_up(
                 lambda b: self._packed_logprobs(self._on_device(b), with_entropy=False)[0],
                 self.model_shape.vocab_size,
-                getattr(self.model.config.get_text_config(), "max_position_embeddings", None),
             )
         self.optimizer.zero_grad(set_to_none=True)
         return took
