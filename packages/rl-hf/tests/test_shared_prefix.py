@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rl_core.testing.policy import sft_loss
+from rl_core.testing.policy import sft_loss, shared_prompt_batch
 from rl_core.types import TrainBatch
 from rl_hf import HFCritic, HFPolicy, TinyModelSpec, build_tiny_model
 from rl_hf._hf import token_logprobs
@@ -28,38 +28,7 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def grouped_batch(
     groups: list[tuple[int, list[int]]], *, seed: int = 0, micro_batch_bounds: tuple[int, ...] = ()
 ) -> TrainBatch:
-    """Sequences ``prompt + response`` for each ``(prompt_len, [response_len, ...])`` group (the
-    group's samples share the prompt; ``loss_mask`` 1 on responses only), in an interleaved
-    order so that groups are not contiguous."""
-    gen = torch.Generator().manual_seed(seed)
-    seqs: list[tuple[torch.Tensor, int]] = []
-    for prompt_len, responses in groups:
-        prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
-        for r in responses:
-            seqs.append(
-                (torch.cat([prompt, torch.randint(0, VOCAB, (r,), generator=gen)]), prompt_len)
-            )
-    order = sorted(range(len(seqs)), key=lambda i: (i % 3, i))
-    tokens, masks, lengths = [], [], []
-    for i in order:
-        seq, p = seqs[i]
-        tokens.append(seq)
-        mask = torch.zeros(seq.shape[0])
-        mask[p:] = 1.0
-        masks.append(mask)
-        lengths.append(seq.shape[0])
-    mask_T = torch.cat(masks)
-    cu_N1 = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu_N1[1:] = torch.tensor(lengths).cumsum(0)
-    adv_T = torch.randn(mask_T.shape[0], generator=gen) * mask_T
-    return TrainBatch(
-        tokens=torch.cat(tokens),
-        cu_seqlens=cu_N1,
-        loss_mask=mask_T,
-        loss_weights=mask_T / mask_T.sum(),
-        advantages=adv_T,
-        micro_batch_bounds=micro_batch_bounds,
-    )
+    return shared_prompt_batch(VOCAB, groups, seed=seed, micro_batch_bounds=micro_batch_bounds)
 
 
 def _find(batch: TrainBatch) -> SharedPrefix | None:

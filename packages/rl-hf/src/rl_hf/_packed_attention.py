@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rl_core.errors import RLError
+from rl_core.errors import ConfigError, RLError
 from rl_core.types import TrainBatch
 
 __all__ = [
@@ -140,6 +140,9 @@ class PackingInfo:
     """``"pad"`` or ``"mask"``."""
     mask_TT: torch.Tensor | None
     """``[T', T']`` bool attention mask of the row (``"mask"`` mode only; True = attend)."""
+    pos_T: torch.Tensor | None = None
+    """``[T']`` position of each row token (``"mask"`` mode only: a sliding window is
+    ``pos_q - pos_k < window``)."""
 
     @staticmethod
     def build(
@@ -193,6 +196,7 @@ class PackingInfo:
             max_len=max_len,
             mode=mode,
             mask_TT=mask,
+            pos_T=pos if mode == "mask" else None,
         )
 
 
@@ -248,9 +252,13 @@ def packed_sdpa_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, H, T', D]``, ``key/value [1, K, T', D]`` ->
-    ``[1, T', H, D]``, attending only within each packed sequence (and its shared prefix).
+    ``[1, T', H, D]``, attending only within each packed sequence (and its shared prefix), and
+    to the last ``sliding_window`` positions when the layer passes one (Mistral, Qwen2's and
+    Gemma's sliding layers; as transformers' masks: ``q - k < window``).
 
-    Needs ``rl_packing=PackingInfo`` among the model's forward kwargs.
+    Needs ``rl_packing=PackingInfo`` among the model's forward kwargs. Attention logit
+    soft-capping (``softcap``) and attention sinks (``s_aux``) are not applied here:
+    ``HFPolicy`` refuses such models with ``attn_implementation: sdpa``.
     """
     info: PackingInfo | None = kwargs.get("rl_packing")
     if info is None:
@@ -259,14 +267,24 @@ def packed_sdpa_forward(
             "needs the rl_packing kwarg); load the model with attn_implementation='sdpa' for "
             "other uses."
         )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise RLError(
+                f"attention implementation {ATTN_NAME!r}: the model passes {name}, which the "
+                "packed attention does not apply; use policy.attn_implementation: eager."
+            )
+    window = kwargs.get("sliding_window")
     q_1HTD, k_1KTD, v_1KTD = query, key, value
     n_rep = q_1HTD.shape[1] // k_1KTD.shape[1]
     if info.mode == "mask":
+        mask_TT = info.mask_TT
+        if window is not None and info.pos_T is not None:
+            mask_TT = mask_TT & (info.pos_T[:, None] - info.pos_T[None, :] < window)
         out_1HTD = torch.nn.functional.scaled_dot_product_attention(
             q_1HTD,
             _repeat_kv(k_1KTD, n_rep),
             _repeat_kv(v_1KTD, n_rep),
-            attn_mask=info.mask_TT,
+            attn_mask=mask_TT,
             dropout_p=dropout,
             scale=scaling,
         )
@@ -283,11 +301,62 @@ def packed_sdpa_forward(
     q_NHLD = to_padded(q_1HTD)
     k_NHLD = _repeat_kv(to_padded(k_1KTD), n_rep)
     v_NHLD = _repeat_kv(to_padded(v_1KTD), n_rep)
-    out_NHLD = torch.nn.functional.scaled_dot_product_attention(
-        q_NHLD, k_NHLD, v_NHLD, dropout_p=dropout, scale=scaling, is_causal=True
-    )
+    if window is not None and window < length:  # causal within the last `window` positions
+        pos_L = torch.arange(length, device=q_NHLD.device)
+        dist_LL = pos_L[:, None] - pos_L[None, :]
+        out_NHLD = torch.nn.functional.scaled_dot_product_attention(
+            q_NHLD,
+            k_NHLD,
+            v_NHLD,
+            attn_mask=(dist_LL >= 0) & (dist_LL < window),
+            dropout_p=dropout,
+            scale=scaling,
+        )
+    else:
+        out_NHLD = torch.nn.functional.scaled_dot_product_attention(
+            q_NHLD, k_NHLD, v_NHLD, dropout_p=dropout, scale=scaling, is_causal=True
+        )
     out_SHD = out_NHLD.transpose(1, 2).reshape(n * length, out_NHLD.shape[1], out_NHLD.shape[3])
     return out_SHD.index_select(0, info.out_index_T)[None], None
+
+
+_UNSUPPORTED_FIX = (
+    "set policy.attn_implementation: eager (the model's own attention over the packed positions)."
+)
+
+
+def check_config(config: Any) -> None:
+    """Refuse, before loading, a model config whose attention :func:`packed_sdpa_forward` cannot
+    reproduce: logit soft-capping (Gemma 2). ``ConfigError`` names the fix."""
+    cfg = config.get_text_config()
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    if cap:
+        raise ConfigError(
+            f"policy.attn_implementation: the {cfg.model_type} model soft-caps attention logits "
+            f"(attn_logit_softcapping={cap}), which the packed sdpa attention does not apply "
+            f"(its log-probs would not be the model's); {_UNSUPPORTED_FIX}"
+        )
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse a loaded model with attention sinks (gpt-oss), which :func:`packed_sdpa_forward`
+    does not apply; ``ConfigError`` names the fix."""
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        raise ConfigError(
+            f"policy.attn_implementation: the {model.config.model_type} model has attention "
+            f"sinks, which the packed sdpa attention does not apply; {_UNSUPPORTED_FIX}"
+        )
+
+
+def unsupported_error(e: ValueError) -> ConfigError | None:
+    """The ``ConfigError`` for transformers refusing the packed attention for an architecture
+    at load (``None`` for another ``ValueError``)."""
+    if "does not support an attention implementation" not in str(e):
+        return None
+    return ConfigError(
+        f"policy.attn_implementation: transformers cannot run this architecture with the packed "
+        f"sdpa attention ({str(e).split(' Please')[0]}); {_UNSUPPORTED_FIX}"
+    )
 
 
 def register_packed_attention() -> None:

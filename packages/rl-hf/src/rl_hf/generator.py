@@ -259,9 +259,14 @@ class HFGenerator(Generator):
         # but warns, and goes in 5.40); 4.x knows only ``past_key_values``.
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._own_masks = getattr(mc, "_attn_implementation", None) == "sdpa" and all(
-            lt == "full_attention"
-            for lt in (getattr(mc, "layer_types", None) or ["full_attention"])
+        # Our own causal masks only where every layer attends causally to the whole sequence: a
+        # sliding layer (``layer_types``, or Mistral's ``sliding_window`` on every layer) gets
+        # transformers' masks, which agree with its cache trimming to the window.
+        layer_types = getattr(mc, "layer_types", None)
+        self._own_masks = (
+            getattr(mc, "_attn_implementation", None) == "sdpa"
+            and all(lt == "full_attention" for lt in (layer_types or ["full_attention"]))
+            and (layer_types is not None or getattr(mc, "sliding_window", None) is None)
         )
 
         self._lean = LeanDecoder.build(self.model) if config.fast_decode else None

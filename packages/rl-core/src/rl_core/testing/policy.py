@@ -61,7 +61,55 @@ from rl_core.interfaces import LossFn, Policy
 from rl_core.testing._base import ConformanceSuite
 from rl_core.types import LossOutput, TrainBatch
 
-__all__ = ["PolicyConformance", "pack_sequences", "random_batch", "sft_loss"]
+__all__ = [
+    "PolicyConformance",
+    "pack_sequences",
+    "random_batch",
+    "sft_loss",
+    "shared_prompt_batch",
+]
+
+
+def shared_prompt_batch(
+    vocab_size: int,
+    groups: Sequence[tuple[int, Sequence[int]]],
+    *,
+    seed: int = 0,
+    micro_batch_bounds: tuple[int, ...] = (),
+) -> TrainBatch:
+    """Random sequences ``prompt + response`` for each ``(prompt_len, [response_len, ...])``
+    group: a group's samples share the prompt (as a GRPO group's do), ``loss_mask`` is 1 on
+    responses only, advantages are random on them, and the sequences are interleaved so that
+    groups are not contiguous. For tests of prefix sharing."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs: list[tuple[torch.Tensor, int]] = []
+    for prompt_len, responses in groups:
+        prompt = torch.randint(0, vocab_size, (prompt_len,), generator=gen)
+        for r in responses:
+            seqs.append(
+                (torch.cat([prompt, torch.randint(0, vocab_size, (r,), generator=gen)]), prompt_len)
+            )
+    order = sorted(range(len(seqs)), key=lambda i: (i % 3, i))
+    tokens, masks, lengths = [], [], []
+    for i in order:
+        seq, p = seqs[i]
+        tokens.append(seq)
+        mask = torch.zeros(seq.shape[0])
+        mask[p:] = 1.0
+        masks.append(mask)
+        lengths.append(seq.shape[0])
+    mask_T = torch.cat(masks)
+    cu_N1 = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu_N1[1:] = torch.tensor(lengths).cumsum(0)
+    adv_T = torch.randn(mask_T.shape[0], generator=gen) * mask_T
+    return TrainBatch(
+        tokens=torch.cat(tokens),
+        cu_seqlens=cu_N1,
+        loss_mask=mask_T,
+        loss_weights=mask_T / mask_T.sum(),
+        advantages=adv_T,
+        micro_batch_bounds=micro_batch_bounds,
+    )
 
 
 def random_batch(
