@@ -73,10 +73,20 @@ SLIDING = [
             "use_sliding_window": True,
         },
     ),
+    (
+        "gemma3_text",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize(("model_type", "extra"), SLIDING, ids=["mistral", "qwen2-mixed-layers"])
+@pytest.mark.parametrize(
+    ("model_type", "extra"), SLIDING, ids=["mistral", "qwen2-mixed-layers", "gemma3"]
+)
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-decode", "transformers"])
 def test_generator_with_sliding_windows_decodes_as_the_model(
     tmp_path: Path, model_type: str, extra: dict, fast: bool
@@ -130,7 +140,9 @@ def test_generator_with_sliding_windows_decodes_as_the_model(
     torch.testing.assert_close(logp_T[mask_T > 0], engine_R, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(("model_type", "extra"), SLIDING, ids=["mistral", "qwen2-mixed-layers"])
+@pytest.mark.parametrize(
+    ("model_type", "extra"), SLIDING, ids=["mistral", "qwen2-mixed-layers", "gemma3"]
+)
 @pytest.mark.parametrize("mode", ["pad", "mask"])
 @pytest.mark.parametrize("share", [False, True], ids=["unshared", "shared"])
 def test_sliding_window_logprobs_are_the_model_s_own(
