@@ -28,6 +28,7 @@ op outside attention (projections, MLP, norms, LM head) runs on ``C`` instead of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -357,6 +358,34 @@ def unsupported_error(e: ValueError) -> ConfigError | None:
         f"policy.attn_implementation: transformers cannot run this architecture with the packed "
         f"sdpa attention ({str(e).split(' Please')[0]}); {_UNSUPPORTED_FIX}"
     )
+
+
+def load_for_training(path: Path, dtype: torch.dtype, attn_implementation: str) -> Any:
+    """The causal LM of ``path`` for a packed forward: with ``attn_implementation`` ``sdpa`` on
+    :data:`ATTN_NAME` (after :func:`check_config`; refusals as ``ConfigError``s naming
+    ``eager``), else on transformers' own ``eager`` attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_hf._hf import quiet_progress
+
+    attn = attn_implementation
+    if attn == "sdpa":
+        check_config(AutoConfig.from_pretrained(str(path)))
+        register_packed_attention()
+        attn = ATTN_NAME
+    try:
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, attn_implementation=attn
+            )
+    except ValueError as e:
+        error = unsupported_error(e) if attn == ATTN_NAME else None
+        if error is None:
+            raise
+        raise error from e
+    if attn == ATTN_NAME:
+        check_model(model)
+    return model
 
 
 def register_packed_attention() -> None:

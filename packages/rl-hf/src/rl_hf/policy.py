@@ -187,11 +187,8 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         Raises:
             ConfigError: ``model_path`` is missing or is not a Hugging Face model directory.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from rl_hf import _packed_attention as packed
-        from rl_hf._hf import quiet_progress
         from rl_hf._moe import RouterTap
+        from rl_hf._packed_attention import load_for_training
 
         self.config = config
         """The settings this policy was built from (read-only)."""
@@ -201,26 +198,9 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
                 f"policy.model_path: {str(path)!r} has no config.json; point it at a Hugging Face "
                 "model directory (e.g. one written by rl_hf.build_tiny_model)."
             )
-        attn = config.attn_implementation
-        if attn == "sdpa":
-            packed.check_config(AutoConfig.from_pretrained(str(path)))
-            packed.register_packed_attention()
-            attn = packed.ATTN_NAME
         self.device = torch.device(config.device)
         """Device of the model and optimizer state."""
-        dtype = getattr(torch, config.dtype)
-        try:
-            with quiet_progress():
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(path), dtype=dtype, attn_implementation=attn
-                )
-        except ValueError as e:
-            error = packed.unsupported_error(e) if attn == packed.ATTN_NAME else None
-            if error is None:
-                raise
-            raise error from e
-        if attn == packed.ATTN_NAME:
-            packed.check_model(model)
+        model = load_for_training(path, getattr(torch, config.dtype), config.attn_implementation)
         self.model = model.to(self.device).eval()
         """The ``transformers`` causal LM (eval mode: dropout off)."""
         self.tokenizer = self._load_tokenizer(path)
