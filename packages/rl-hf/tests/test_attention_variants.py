@@ -210,7 +210,21 @@ def test_soft_capped_attention_is_refused_under_sdpa_and_exact_under_eager(tmp_p
     )
     with pytest.raises(ConfigError, match="attn_implementation: eager"):
         HFPolicy(HFPolicy.Config(model_path=str(path)))
+    with pytest.raises(ConfigError, match="generator.attn_implementation: eager"):
+        HFGenerator(HFGenerator.Config(model_path=str(path)))
     batch = shared_prompt_batch(VOCAB, [(6, [9, 4]), (3, [7])], seed=2)
     policy = HFPolicy(HFPolicy.Config(model_path=str(path), attn_implementation="eager"))
     got = policy.compute_logprobs(batch).logprobs
     torch.testing.assert_close(got, _own_logprobs(path, batch), atol=2e-5, rtol=0)
+    gen = HFGenerator(HFGenerator.Config(model_path=str(path), attn_implementation="eager"))
+    prompt = (11, 12, 13, 14, 15)
+    request = GenerationRequest(
+        request_id="r", input_ids=prompt, sampling=SamplingParams(temperature=0.0, max_new_tokens=6)
+    )
+    (res,) = asyncio.run(gen.generate([request]))
+    asyncio.run(gen.close())
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(policy.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert res.output_ids == tuple(ids[len(prompt) :])

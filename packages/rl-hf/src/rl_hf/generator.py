@@ -201,12 +201,21 @@ class HFGenerator(Generator):
                 )
             from rl_hf._hf import quiet_progress
 
-            with quiet_progress():
-                model = AutoModelForCausalLM.from_pretrained(
-                    path,
-                    dtype=_DTYPES[config.dtype],
-                    attn_implementation=config.attn_implementation,
-                )
+            try:
+                with quiet_progress():
+                    model = AutoModelForCausalLM.from_pretrained(
+                        path,
+                        dtype=_DTYPES[config.dtype],
+                        attn_implementation=config.attn_implementation,
+                    )
+            except ValueError as e:
+                if "does not support an attention implementation" not in str(e):
+                    raise
+                raise ConfigError(
+                    f"HFGenerator.Config.attn_implementation: transformers cannot run this "
+                    f"architecture with {config.attn_implementation!r} "
+                    f"({str(e).split(' Please')[0]}); set generator.attn_implementation: eager."
+                ) from e
         self.model = model.to(config.device).eval()
         self.model.requires_grad_(False)
         from rl_hf._moe import RouterTap
