@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results
 
 RESULTS = Path(__file__).with_name("results") / "prefix_plan.json"
 PLANS = ("token", "grouped")
@@ -142,26 +144,17 @@ def main() -> None:
     if args.quick:
         print("--quick: smoke run, results not written")
         return
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "prefix_plan",
-                "setting": "demo recipe, sft.steps 0, threads 1, eval off",
-                "steps": steps,
-                "rounds": rounds,
-                "machine": {
-                    "platform": platform.platform(),
-                    "cpus": os.cpu_count(),
-                    "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg(),
-                },
-                "rows": rows,
-            },
-            indent=1,
-        )
-        + "\n"
+    write_results(
+        RESULTS,
+        {
+            "benchmark": "prefix_plan",
+            "setting": "demo recipe, sft.steps 0, threads 1, eval off",
+            "steps": steps,
+            "rounds": rounds,
+            "rows": rows,
+        },
+        load_before,
     )
-    print(f"wrote {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results
 
 RESULTS = Path(__file__).with_name("results") / "shared_logits.json"
 VARIANTS = ("expanded", "compact")
@@ -149,30 +151,21 @@ def main() -> None:
     if args.quick:
         print("--quick: smoke run, results not written")
         return
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "shared_logits",
-                "case": {
-                    "vocab": VOCAB,
-                    "groups": GROUPS,
-                    "samples": SAMPLES,
-                    "prompt": PROMPT,
-                    "response": RESPONSE,
-                },
-                "machine": {
-                    "platform": platform.platform(),
-                    "cpus": os.cpu_count(),
-                    "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg(),
-                },
-                "rows": rows,
+    write_results(
+        RESULTS,
+        {
+            "benchmark": "shared_logits",
+            "case": {
+                "vocab": VOCAB,
+                "groups": GROUPS,
+                "samples": SAMPLES,
+                "prompt": PROMPT,
+                "response": RESPONSE,
             },
-            indent=1,
-        )
-        + "\n"
+            "rows": rows,
+        },
+        load_before,
     )
-    print(f"wrote {RESULTS}")
 
 
 if __name__ == "__main__":
