@@ -564,11 +564,10 @@ def _schedule(
         assert bins is not None  # k >= every rank's own count
         bins = _expand(bins, rank_runs)
         if prefix_groups is not None and sum(1 for b in bins if not b) > max(0, k - len(ix)):
-            # Whole runs left a micro-batch empty that single samples would fill (equal counts
-            # across ranks): this rank is packed sample by sample.
-            over_s, rest_s = _split_over(ix, tokens, cap)
-            bins = _pack_to(over_s, rest_s, tokens, cap, k, _pack_min(over_s, rest_s, tokens, cap))
-            assert bins is not None
+            # Whole runs left a micro-batch empty that the rank's samples could fill (equal
+            # counts across ranks): split the heaviest micro-batches in two until none is.
+            full = [_desc(b, tokens) for b in bins if b]
+            bins = _finish(_split_to(full, tokens, k), [], k)
         packed.append(bins)
     loads = np.bincount(rank_of, weights=c, minlength=dp_size) if n else np.zeros(dp_size)
     toks = np.bincount(rank_of, weights=tokens, minlength=dp_size) if n else np.zeros(dp_size)
