@@ -16,7 +16,11 @@ pytest.importorskip("transformers")
 from rl_core.config import ComponentSpec
 from rl_core.errors import ConfigError, GenerationError
 from rl_core.interfaces import Generator
-from rl_core.testing.generator import GeneratorConformance, perturbed_weights
+from rl_core.testing.generator import (
+    GeneratorConformance,
+    causal_lm_logprobs,
+    perturbed_weights,
+)
 from rl_core.types import GenerationRequest, SamplingParams
 from rl_hf import TinyModelSpec, build_tiny_model
 from rl_hf.generator import HFGenerator
@@ -105,12 +109,7 @@ class TestProcessGeneratorConformance(GeneratorConformance):
         model = AutoModelForCausalLM.from_pretrained(generator.spec.options["model_path"])
         model.load_state_dict(dict(generator._shared), strict=False)
         model.tie_weights()
-        ids = torch.tensor([list(input_ids) + list(output_ids)])
-        with torch.no_grad():
-            logits_LV = model.eval()(input_ids=ids).logits[0].float()
-        t = temperature if temperature > 0 else 1.0
-        p = len(input_ids)
-        return torch.log_softmax(logits_LV[p - 1 : p - 1 + len(output_ids)] / t, -1)
+        return causal_lm_logprobs(model.eval(), input_ids, output_ids, temperature)
 
 
 def test_results_equal_the_in_process_generator(

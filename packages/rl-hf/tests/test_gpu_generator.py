@@ -13,7 +13,11 @@ import torch
 pytest.importorskip("transformers")
 
 from rl_core.interfaces import Generator
-from rl_core.testing.generator import GeneratorConformance, perturbed_weights
+from rl_core.testing.generator import (
+    GeneratorConformance,
+    causal_lm_logprobs,
+    perturbed_weights,
+)
 from rl_hf import TinyModelSpec, build_tiny_model
 from rl_hf.generator import HFGenerator
 
@@ -61,10 +65,4 @@ class TestHFGeneratorCUDAConformance(GeneratorConformance):
         temperature: float,
     ) -> torch.Tensor:
         assert isinstance(generator, HFGenerator)
-        model = generator.model
-        ids = torch.tensor([list(input_ids) + list(output_ids)], device=model.device)
-        with torch.no_grad():
-            logits_LV = model(input_ids=ids).logits[0].float().cpu()
-        t = temperature if temperature > 0 else 1.0
-        p = len(input_ids)
-        return torch.log_softmax(logits_LV[p - 1 : p - 1 + len(output_ids)] / t, -1)
+        return causal_lm_logprobs(generator.model, input_ids, output_ids, temperature)

@@ -16,11 +16,11 @@ import torch
 
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import Generator, WeightTransport
-from rl_core.logprobs import truncate_logits
 from rl_core.testing.generator import (
     FakeGenerator,
     GeneratorConformance,
     InMemoryTransport,
+    causal_lm_logprobs,
     perturbed_weights,
 )
 from rl_core.testing.weight_transport import WeightTransportConformance
@@ -55,30 +55,13 @@ def _req(rid: str, ids: Sequence[int], **sampling: object) -> GenerationRequest:
     )
 
 
-def _teacher_forced(
-    model: torch.nn.Module,
-    prompt: Sequence[int],
-    out: Sequence[int],
-    temperature: float,
-    top_p: float = 1.0,
-    top_k: int = 0,
-) -> torch.Tensor:
-    """``[R, V]`` log-probs of the distribution each output token was sampled from: the
-    temperature-scaled softmax renormalised over the top-k / top-p candidate set."""
-    ids = torch.tensor([list(prompt) + list(out)])
-    with torch.no_grad():
-        logits_LV = model(input_ids=ids).logits[0].float()
-    t = temperature if temperature > 0 else 1.0
-    p = len(prompt)
-    z_RV = truncate_logits(logits_LV[p - 1 : p - 1 + len(out)] / t, top_p=top_p, top_k=top_k)
-    return torch.log_softmax(z_RV, -1)
-
-
 def _assert_logprobs_exact(gen: HFGenerator, prompt: Sequence[int], q, r) -> torch.Tensor:
     """Assert ``r``'s log-probs are the teacher-forced ones of request ``q`` (its sampling's
     temperature, top-p and top-k) within 1e-4; returns the reference ``[R, V]`` log-probs."""
     s = q.sampling
-    ref_RV = _teacher_forced(gen.model, prompt, r.output_ids, s.temperature, s.top_p, s.top_k)
+    ref_RV = causal_lm_logprobs(
+        gen.model, prompt, r.output_ids, s.temperature, top_p=s.top_p, top_k=s.top_k
+    )
     want_R = ref_RV.gather(1, torch.tensor(r.output_ids)[:, None]).squeeze(1)
     torch.testing.assert_close(torch.tensor(r.output_logprobs), want_R, atol=1e-4, rtol=0)
     return ref_RV
@@ -110,7 +93,7 @@ class TestHFGeneratorConformance(GeneratorConformance):
         temperature: float,
     ) -> torch.Tensor:
         assert isinstance(generator, HFGenerator)
-        return _teacher_forced(generator.model, input_ids, output_ids, temperature)
+        return causal_lm_logprobs(generator.model, input_ids, output_ids, temperature)
 
 
 class TestFakeGeneratorConformance(GeneratorConformance):

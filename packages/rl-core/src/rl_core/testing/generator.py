@@ -55,6 +55,7 @@ __all__ = [
     "FakeGenerator",
     "GeneratorConformance",
     "InMemoryTransport",
+    "causal_lm_logprobs",
     "perturbed_weights",
 ]
 
@@ -69,6 +70,30 @@ def perturbed_weights(
     for name, t in named_tensors:
         scale = max(float(t.float().std()) if t.numel() > 1 else 0.0, 0.05)
         yield name, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+
+def causal_lm_logprobs(
+    model: Any,
+    input_ids: Sequence[int],
+    output_ids: Sequence[int],
+    temperature: float,
+    *,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:
+    """``[R, V]`` log-probs of the distribution each of ``output_ids`` was sampled from, by a
+    causal LM (called as ``model(input_ids=[1, L]).logits``) run on the whole sequence: the
+    ``temperature``-scaled softmax (``T = 1`` when 0) renormalised over the top-k / top-p set.
+    On the CPU. A ready :meth:`GeneratorConformance.teacher_forced_logprobs` for generators
+    serving a Hugging Face model."""
+    device = getattr(model, "device", torch.device("cpu"))
+    ids = torch.tensor([list(input_ids) + list(output_ids)], device=device)
+    with torch.no_grad():
+        logits_LV = model(input_ids=ids).logits[0].float().cpu()
+    t = temperature if temperature > 0 else 1.0
+    p = len(input_ids)
+    z_RV = logits_LV[p - 1 : p - 1 + len(output_ids)] / t
+    return torch.log_softmax(truncate_logits(z_RV, top_p=top_p, top_k=top_k), -1)
 
 
 # ----------------------------------------------------------------------------------------------
