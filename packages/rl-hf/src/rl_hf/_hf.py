@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rl_core.config import PositiveFloat
-from rl_core.errors import CheckpointError
+from rl_core.errors import CheckpointError, ConfigError
 from rl_core.logprobs import truncate_logits, truncates
 
 __all__ = [
@@ -33,6 +33,18 @@ def quiet_progress() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def attention_refused(e: ValueError, field: str, what: str) -> ConfigError | None:
+    """The ``ConfigError`` for transformers refusing an attention implementation (``what``)
+    for an architecture at load, naming ``field`` and its fix, ``eager``; ``None`` for another
+    ``ValueError``."""
+    if "does not support an attention implementation" not in str(e):
+        return None
+    return ConfigError(
+        f"{field}: transformers cannot run this architecture with {what} "
+        f"({str(e).split(' Please')[0]}); set {field}: eager."
+    )
 
 
 def token_logprobs(

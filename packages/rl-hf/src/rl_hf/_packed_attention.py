@@ -349,24 +349,13 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def unsupported_error(e: ValueError) -> ConfigError | None:
-    """The ``ConfigError`` for transformers refusing the packed attention for an architecture
-    at load (``None`` for another ``ValueError``)."""
-    if "does not support an attention implementation" not in str(e):
-        return None
-    return ConfigError(
-        f"policy.attn_implementation: transformers cannot run this architecture with the packed "
-        f"sdpa attention ({str(e).split(' Please')[0]}); {_UNSUPPORTED_FIX}"
-    )
-
-
 def load_for_training(path: Path, dtype: torch.dtype, attn_implementation: str) -> Any:
     """The causal LM of ``path`` for a packed forward: with ``attn_implementation`` ``sdpa`` on
     :data:`ATTN_NAME` (after :func:`check_config`; refusals as ``ConfigError``s naming
     ``eager``), else on transformers' own ``eager`` attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_hf._hf import quiet_progress
+    from rl_hf._hf import attention_refused, quiet_progress
 
     attn = attn_implementation
     if attn == "sdpa":
@@ -379,7 +368,10 @@ def load_for_training(path: Path, dtype: torch.dtype, attn_implementation: str) 
                 str(path), dtype=dtype, attn_implementation=attn
             )
     except ValueError as e:
-        error = unsupported_error(e) if attn == ATTN_NAME else None
+        field = "policy.attn_implementation"
+        error = (
+            attention_refused(e, field, "the packed sdpa attention") if attn == ATTN_NAME else None
+        )
         if error is None:
             raise
         raise error from e

@@ -199,7 +199,7 @@ class HFGenerator(Generator):
                     f"HFGenerator.Config.model_path: {path} has no config.json; point it at a "
                     "directory written by save_pretrained (e.g. rl_hf.tiny)."
                 )
-            from rl_hf._hf import quiet_progress
+            from rl_hf._hf import attention_refused, quiet_progress
 
             try:
                 with quiet_progress():
@@ -209,13 +209,11 @@ class HFGenerator(Generator):
                         attn_implementation=config.attn_implementation,
                     )
             except ValueError as e:
-                if "does not support an attention implementation" not in str(e):
+                what = f"attention {config.attn_implementation!r}"
+                error = attention_refused(e, "generator.attn_implementation", what)
+                if error is None:
                     raise
-                raise ConfigError(
-                    f"HFGenerator.Config.attn_implementation: transformers cannot run this "
-                    f"architecture with {config.attn_implementation!r} "
-                    f"({str(e).split(' Please')[0]}); set generator.attn_implementation: eager."
-                ) from e
+                raise error from e
         self.model = model.to(config.device).eval()
         self.model.requires_grad_(False)
         from rl_hf._moe import RouterTap
