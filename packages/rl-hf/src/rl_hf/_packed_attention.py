@@ -357,25 +357,25 @@ def load_for_training(path: Path, dtype: torch.dtype, attn_implementation: str) 
 
     from rl_hf._hf import attention_refused, quiet_progress
 
-    attn = attn_implementation
-    if attn == "sdpa":
-        check_config(AutoConfig.from_pretrained(str(path)))
+    config = AutoConfig.from_pretrained(str(path))  # read once: checked here, loaded below
+    packed = attn_implementation == "sdpa"
+    if packed:
+        check_config(config)
         register_packed_attention()
-        attn = ATTN_NAME
     try:
         with quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=dtype, attn_implementation=attn
+                str(path),
+                config=config,
+                dtype=dtype,
+                attn_implementation=ATTN_NAME if packed else attn_implementation,
             )
     except ValueError as e:
-        field = "policy.attn_implementation"
-        error = (
-            attention_refused(e, field, "the packed sdpa attention") if attn == ATTN_NAME else None
-        )
-        if error is None:
+        error = attention_refused(e, "policy.attn_implementation", "the packed sdpa attention")
+        if error is None or not packed:
             raise
         raise error from e
-    if attn == ATTN_NAME:
+    if packed:
         check_model(model)
     return model
 
