@@ -1,5 +1,6 @@
 # Two commands matter: `make demo` (a real RL run on the embedded default) and `make test`.
-# Both create .venv on first use. torch is pinned to the CPU build 2.13.0 in every install path.
+# Both create .venv on first use, with the exact versions of constraints.txt (torch: the CPU
+# build 2.13.0); `make lock` re-resolves them from the packages' ranges on purpose.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -13,16 +14,36 @@ EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test,gguf,
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"
 
-.PHONY: setup sglang-env real-model demo test test-long test-gpu lint format bench clean
+CONSTRAINTS := constraints.txt
+PIP_VERSION := 26.3
+TOOLS := ruff build
+
+.PHONY: setup lock sglang-env real-model demo test test-long test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: $(PKG_FILES) Makefile
+$(VENV)/.installed: $(PKG_FILES) $(CONSTRAINTS) Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q $(EDITABLES) "torch==2.13.0" ruff build
+	$(PIP) install -q --upgrade pip==$(PIP_VERSION)
+	$(PIP) install -q -c $(CONSTRAINTS) torch
+	$(PIP) install -q -c $(CONSTRAINTS) $(EDITABLES) $(TOOLS)
 	@touch $@
+
+# Re-resolve the environment from the packages' version ranges in a scratch venv and record the
+# exact versions in constraints.txt (torch stays the CPU build 2.13.0). Run on purpose, review
+# the diff, then `make setup` installs it.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q --upgrade pip==$(PIP_VERSION)
+	.lock-venv/bin/python -m pip install -q torch==2.13.0
+	.lock-venv/bin/python -m pip install -q $(EDITABLES) $(TOOLS) "torch==2.13.0"
+	{ sed -n '1,/^$$/p' $(CONSTRAINTS) | grep '^#'; \
+	  .lock-venv/bin/python -m pip freeze --exclude-editable | grep -v '^-e' \
+	    | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | LC_ALL=C sort -f; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf .lock-venv
+	@echo "constraints.txt updated: review 'git diff constraints.txt', then 'make setup'"
 
 # SGLang (its own venv, its own torch pin) and the CPU stub driver, cached under
 # $RL_SGLANG_HOME (default ~/.cache/rl-sglang): ~15 min the first time, ~1 s afterwards.
