@@ -35,7 +35,7 @@ def _version(project_dir: Path, data: dict) -> str:
 def main(site: Path) -> None:
     """Write one dist-info directory per project under ``packages/`` and ``apps/``."""
     site.mkdir(parents=True, exist_ok=True)
-    for old in site.glob("rl_*.dist-info"):
+    for old in [*site.glob("rl_*.dist-info"), *site.glob("rlpost_*.dist-info")]:
         shutil.rmtree(old)
     for pyproject in sorted(
         [*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("apps/*/pyproject.toml")]

@@ -47,7 +47,7 @@ def wheel(tmp_path_factory) -> Path:
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir), str(PKG)],
         check=True,
     )
-    (path,) = wheel_dir.glob("rl_core-*.whl")
+    (path,) = wheel_dir.glob("rlpost_core-*.whl")
     return path
 
 
