@@ -222,7 +222,9 @@ def test_wandb_sink_without_the_package_names_the_fix(monkeypatch, tmp_path, tin
     cfg = load_trainer_config(
         tiny_recipe_dict(tmp_path, logging={"wandb": {"mode": "offline"}, "progress": False})
     )
-    with pytest.raises(ConfigError, match=r"logging.wandb: .*pip install 'rl-trainer\[wandb\]'"):
+    with pytest.raises(
+        ConfigError, match=r"logging.wandb: .*pip install 'rlpost-trainer\[wandb\]'"
+    ):
         build_sinks(cfg)
 
 

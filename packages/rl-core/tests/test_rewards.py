@@ -207,7 +207,7 @@ def test_math_equiv_errors(math_equiv, monkeypatch):
         MathEquiv.Config(timeout_seconds=0)
     # Without the optional dependency the reward cannot be built, and says how to fix it.
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    with pytest.raises(RewardError, match=r"rl-core\[math\]"):
+    with pytest.raises(RewardError, match=r"rlpost-core\[math\]"):
         MathEquiv()
 
 

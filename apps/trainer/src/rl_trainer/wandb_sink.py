@@ -1,4 +1,4 @@
-"""Weights & Biases as a metrics sink (``logging.wandb``; ``pip install 'rl-trainer[wandb]'``).
+"""Weights & Biases as a metrics sink (``logging.wandb``; ``pip install 'rlpost-trainer[wandb]'``).
 
 What a run sends: the whole config (``wandb.config``), every step record's numeric metrics at
 the run's global step (SFT and RL steps counted together, as on TensorBoard), a ``samples``
@@ -48,7 +48,7 @@ class WandbSink:
         except ImportError as e:
             raise ConfigError(
                 "logging.wandb: the wandb package is not installed; pip install "
-                "'rl-trainer[wandb]' (or pip install wandb), or remove logging.wandb."
+                "'rlpost-trainer[wandb]' (or pip install wandb), or remove logging.wandb."
             ) from e
         self._wandb = wandb
         self.run_dir = Path(config.run_dir)

@@ -105,7 +105,7 @@ class AgentServer:
             from aiohttp import web
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ConfigError(
-                "agents: the chat-completions server needs aiohttp; install rl-agents."
+                "agents: the chat-completions server needs aiohttp; install rlpost-agents."
             ) from e
         if self._runner is not None:
             return

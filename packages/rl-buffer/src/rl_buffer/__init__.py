@@ -1,7 +1,7 @@
 """rl-buffer: prompt data sources, the rollout buffer (staleness control, partial rollouts),
 group filters and dynamic sampling, and FLOPs-aware data-parallel balancing.
 
-Usable alone (``pip install rl-buffer``): it depends only on ``rl-core`` and numpy.
+Usable alone (``pip install rlpost-buffer``): it depends only on ``rlpost-core`` and numpy.
 """
 
 from rl_buffer.balance import SchedulePlan, pack_micro_batches, schedule_step, split_steps

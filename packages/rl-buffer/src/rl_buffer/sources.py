@@ -512,7 +512,7 @@ def _parse_json(text: str, where: str, what: str = "malformed") -> Any:
 
 
 class ParquetSource(FileSource):
-    """Prompts from a Parquet file (extra ``rl-buffer[parquet]``: pyarrow). Errors name
+    """Prompts from a Parquet file (extra ``rlpost-buffer[parquet]``: pyarrow). Errors name
     ``file:row N``."""
 
     @dataclass(kw_only=True, slots=True)
@@ -527,7 +527,7 @@ class ParquetSource(FileSource):
             import pyarrow.parquet as pq
         except ImportError:
             raise ConfigError(
-                "ParquetSource needs pyarrow: pip install 'rl-buffer[parquet]'."
+                "ParquetSource needs pyarrow: pip install 'rlpost-buffer[parquet]'."
             ) from None
         try:
             records = pq.read_table(self.file).to_pylist()
@@ -539,7 +539,7 @@ class ParquetSource(FileSource):
 
 class HFDatasetSource(FileSource):
     """Prompts from a Hugging Face ``datasets`` dataset on local disk (extra
-    ``rl-buffer[datasets]``).
+    ``rlpost-buffer[datasets]``).
 
     ``path`` is a directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict``: pick the
     ``split``), or a local data file (``.json``/``.jsonl``/``.csv``/``.parquet``) loaded with
@@ -561,7 +561,7 @@ class HFDatasetSource(FileSource):
             import datasets
         except ImportError:
             raise ConfigError(
-                "HFDatasetSource needs datasets: pip install 'rl-buffer[datasets]'."
+                "HFDatasetSource needs datasets: pip install 'rlpost-buffer[datasets]'."
             ) from None
         split = getattr(self.config, "split", "train")
         suffix = self.file.suffix.lstrip(".")

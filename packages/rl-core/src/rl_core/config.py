@@ -526,7 +526,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                 import yaml
             except ImportError as e:  # pragma: no cover - depends on the install
                 raise ConfigError(
-                    f"{p}: YAML recipes need PyYAML: pip install 'rl-core[yaml]'."
+                    f"{p}: YAML recipes need PyYAML: pip install 'rlpost-core[yaml]'."
                 ) from e
             data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
         elif p.suffix == ".toml":

@@ -1,4 +1,4 @@
-"""rl-hf: the transformers backend on plain PyTorch (``pip install rl-hf``).
+"""rl-hf: the transformers backend on plain PyTorch (``pip install rlpost-hf``).
 
 Real implementations, not fakes: the embedded default on one machine without a GPU, and the
 oracle adapters are compared against. Names are imported lazily, so ``import rl_hf``

@@ -47,7 +47,7 @@ BASE_FILE = "rl_lora_base.json"
 (:func:`rl_core.lora.base_identity`)."""
 
 _PEFT_MISSING = (
-    "policy.lora: needs the peft library; install it with `pip install rl-hf[lora]` (or "
+    "policy.lora: needs the peft library; install it with `pip install rlpost-hf[lora]` (or "
     "`pip install peft`), or remove policy.lora to fine-tune every weight."
 )
 

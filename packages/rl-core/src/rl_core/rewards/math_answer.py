@@ -1,4 +1,4 @@
-"""Math answer equivalence with the maintained ``math-verify`` library (extra ``rl-core[math]``).
+"""Math answer equivalence with the maintained ``math-verify`` library (extra ``rlpost-core[math]``).
 
 :class:`MathEquiv` parses the reference answer (``Prompt.label``) and the response with
 ``math_verify.parse`` (LaTeX, ``\\boxed{}``, plain expressions) and compares them symbolically
@@ -67,7 +67,7 @@ class MathEquiv:
         except ImportError as e:
             raise RewardError(
                 f"math_equiv needs the math-verify package ({e}); install it with "
-                "`pip install 'rl-core[math]'`."
+                "`pip install 'rlpost-core[math]'`."
             ) from None
         self._mv = math_verify
         self._gold_cache: dict[str, list[Any]] = {}

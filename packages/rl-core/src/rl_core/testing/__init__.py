@@ -9,7 +9,7 @@ Implementations subclass the suite in their own tests (see :mod:`rl_core.testing
         def generator(self):
             return MyGenerator(MyGenerator.Config(...))
 
-The suites need pytest (extra ``rl-core[test]``); names are imported on first use, so
+The suites need pytest (extra ``rlpost-core[test]``); names are imported on first use, so
 ``import rl_core.testing`` itself needs nothing beyond rl-core.
 """
 
