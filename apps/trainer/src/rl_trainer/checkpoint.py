@@ -28,8 +28,10 @@ saying so, and the run's next checkpoint has a manifest.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -49,8 +51,10 @@ __all__ = [
     "CheckpointWarning",
     "Verdict",
     "capture_rng",
+    "convert_trainer_state",
     "latest_checkpoint",
     "load_trainer_state",
+    "plain_state",
     "restore_rng",
     "resume_checkpoint",
     "verify_checkpoint",
@@ -60,6 +64,10 @@ __all__ = [
 MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
+TRAINER_STATE = "trainer_state.pt"
+TRAINER_STATE_FORMAT = 2
+"""``trainer_state.pt`` format: 2 holds only plain data and tensors (read with
+``weights_only=True``); 1 (no ``format`` key) pickled NumPy RNG state and was read with pickle."""
 _STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 8 << 20  # bytes read at a time while hashing
 
@@ -69,19 +77,67 @@ class CheckpointWarning(UserWarning):
 
 
 def capture_rng() -> dict[str, Any]:
-    """The Python, NumPy and torch RNG states."""
+    """The Python, NumPy and torch RNG states, as plain data and tensors (loadable with
+    ``torch.load(weights_only=True)``: no pickled objects)."""
+    version, mt, gauss = random.getstate()
+    key, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": int(version), "state": list(mt), "gauss": gauss},
+        "numpy": {
+            "key": str(key),
+            "state": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Restore what :func:`capture_rng` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    np.random.set_state(
+        (
+            npy["key"],
+            npy["state"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
+
+
+def plain_state(obj: Any, where: str = "trainer_state") -> Any:
+    """``obj`` as what ``torch.load(weights_only=True)`` reads back unchanged: dicts, lists,
+    tuples, str, int, float, bool, None and tensors (NumPy scalars become Python numbers).
+
+    Raises :class:`CheckpointError` naming the key path of anything else (an object would need
+    pickle, which runs code when read)."""
+    if obj is None or isinstance(obj, str | bool | int | float | torch.Tensor):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str | int):
+                raise CheckpointError(
+                    f"{where}: key {k!r} is a {type(k).__name__}; checkpoint state keys must be "
+                    "str or int."
+                )
+            out[k] = plain_state(v, f"{where}.{k}")
+        return out
+    if isinstance(obj, list | tuple):
+        items = [plain_state(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    raise CheckpointError(
+        f"{where}: a {type(obj).__name__} cannot go into a checkpoint (only str, numbers, "
+        "lists, dicts and tensors load without running code); keep prompt labels, metadata and "
+        "reward components to JSON types."
+    )
 
 
 # ----------------------------------------------------------------------------- files and hashes
@@ -147,6 +203,41 @@ def _step_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def umask_mode() -> int:
+    """The mode a plain new file of this process gets (``0o666`` less the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def match_umask(directory: Path) -> None:
+    """Give every file under ``directory`` the umask's mode: some writers (safetensors) create
+    their files ``0600`` through a temporary file, unlike the rest of the run's files."""
+    mode = umask_mode()
+    for p in directory.rglob("*"):
+        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) != mode:
+            p.chmod(mode)
+
+
+def _fs_cause(e: BaseException) -> str:
+    """What went wrong writing a file, in words, with the fix."""
+    if isinstance(e, OSError) and e.errno is not None:
+        hints = {
+            errno.ENOSPC: "the disk is full; free space or point run_dir at a larger disk",
+            errno.EDQUOT: "the disk quota is exceeded; free space or raise the quota",
+            errno.EROFS: "the file system is read-only; point run_dir at a writable directory",
+            errno.EACCES: "no permission to write there; fix its permissions or change run_dir",
+            errno.EPERM: "no permission to write there; fix its permissions or change run_dir",
+            errno.EFBIG: "the file-size limit (ulimit -f) is too low for the checkpoint; raise it",
+        }
+        hint = hints.get(e.errno, "fix the file system or change run_dir")
+        return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}; {hint}"
+    return (
+        f"{type(e).__name__}: {e}; check free space (df), write permission and the file-size "
+        "limit (ulimit -f) of that directory"
+    )
+
+
 def write_checkpoint(
     run_dir: Path,
     step_index: int,
@@ -159,28 +250,44 @@ def write_checkpoint(
     ``keep``.
 
     ``save_models`` maps a sub-directory name (``policy``, ``critic``) to the function that writes
-    that model into it.
+    that model into it. ``trainer_state`` must be plain data and tensors (:func:`plain_state`).
+    A file-system failure (read-only, full disk, file-size limit) raises :class:`CheckpointError`
+    naming the path and the cause; the partial ``.tmp-step_N`` directory is removed and never
+    taken for a checkpoint (readers only consider directories with ``COMPLETE``).
     """
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step_index:06d}"
     final = root / name
     tmp = root / f".tmp-{name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    for name_, save in save_models.items():
-        save(tmp / name_)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    _write_manifest(tmp, name)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    fd = os.open(root, os.O_RDONLY)
+    state = {"format": TRAINER_STATE_FORMAT, **plain_state(trainer_state)}
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for name_, save in save_models.items():
+            save(tmp / name_)
+        torch.save(state, tmp / TRAINER_STATE)
+        match_umask(tmp)
+        _write_manifest(tmp, name)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except CheckpointError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint {tmp} not written: {e}") from e
+    except Exception as e:  # OSError, torch's RuntimeError, SafetensorError: a write failed
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = getattr(e, "filename", None) or tmp
+        raise CheckpointError(
+            f"{where}: cannot write checkpoint {final.name} ({_fs_cause(e)}). Nothing of it is "
+            "kept; the newest complete checkpoint is unchanged."
+        ) from e
     done = _step_dirs(root)
     for old in done[: max(0, len(done) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
@@ -289,7 +396,14 @@ def _set_aside(checkpoint: Path) -> Path:
     while target.exists():
         n += 1
         target = checkpoint.with_name(f"damaged-{checkpoint.name}-{n}")
-    checkpoint.rename(target)
+    try:
+        checkpoint.rename(target)
+    except OSError as e:
+        raise CheckpointError(
+            f"{checkpoint}: damaged, and it cannot be set aside as {target.name} "
+            f"({_fs_cause(e)}). Make {checkpoint.parent} writable, or resume with "
+            "checkpoint.on_damaged=refuse to see what is damaged."
+        ) from e
     return target
 
 
@@ -348,15 +462,94 @@ def resume_checkpoint(
     return chosen.checkpoint
 
 
+def _old_format(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: {why}: it was written by an older rl-trainer in a format that is read with "
+        "pickle, which can run code, so it is not loaded. If you trust where this checkpoint "
+        f"came from, convert it once: rl-train convert-checkpoint {path.parent} --trust"
+    )
+
+
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    """Read ``trainer_state.pt`` of a complete checkpoint."""
+    """Read ``trainer_state.pt`` of a complete checkpoint with ``weights_only=True``: plain data
+    and tensors only, nothing in the file can run code. A file of the old pickled format is
+    refused with how to convert it (:func:`convert_trainer_state`)."""
     if not (checkpoint / MARKER).exists():
         raise CheckpointError(f"{checkpoint}: incomplete checkpoint (no {MARKER} marker).")
-    path = checkpoint / "trainer_state.pt"
+    path = checkpoint / TRAINER_STATE
     try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:  # unpickling raises many types; all mean the same thing here
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Weights only load failed" in str(e):
+            raise _old_format(path, "holds pickled objects") from None
         raise CheckpointError(
             f"{path}: cannot be read ({type(e).__name__}: {e}). Delete {checkpoint} to resume "
             "from the checkpoint before it."
         ) from e
+    except Exception as e:  # a damaged zip or pickle stream raises many types
+        raise CheckpointError(
+            f"{path}: cannot be read ({type(e).__name__}: {e}). Delete {checkpoint} to resume "
+            "from the checkpoint before it."
+        ) from e
+    if not isinstance(state, dict) or state.get("format") != TRAINER_STATE_FORMAT:
+        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+        if isinstance(state, dict) and isinstance(fmt, int) and fmt > TRAINER_STATE_FORMAT:
+            raise CheckpointError(
+                f"{path}: trainer state format {fmt}, this rl-trainer reads "
+                f"{TRAINER_STATE_FORMAT}; resume with the rl-trainer version that wrote it."
+            )
+        raise _old_format(path, f"trainer state format {fmt!r}")
+    return state
+
+
+def convert_trainer_state(checkpoint: Path, *, trust: bool) -> Path:
+    """Rewrite an old (pickled) ``trainer_state.pt`` of ``checkpoint`` in the current format
+    and re-checksum the checkpoint; returns the file.
+
+    Reading the old file unpickles it, which runs whatever code it names: only with ``trust``
+    (the user vouches for the file), else :class:`CheckpointError`. A checkpoint with a
+    manifest must pass its checksums first.
+    """
+    path = checkpoint / TRAINER_STATE
+    if not trust:
+        raise CheckpointError(
+            f"{path}: converting unpickles the file, which runs any code it names; pass --trust "
+            "only for a checkpoint you or someone you trust wrote."
+        )
+    if not path.is_file() or not (checkpoint / MARKER).is_file():
+        raise CheckpointError(f"{checkpoint}: not a complete checkpoint (no {TRAINER_STATE}).")
+    verdict = verify_checkpoint(checkpoint)
+    if not verdict.intact:
+        raise CheckpointError(
+            f"{checkpoint}: damaged, not converted:\n  " + "\n  ".join(verdict.problems)
+        )
+    try:
+        load_trainer_state(checkpoint)
+        return path  # already the current format
+    except CheckpointError:
+        pass
+    old = torch.load(path, weights_only=False, map_location="cpu")  # trusted by the user
+    rng = old.get("rng", {})
+    if isinstance(rng.get("numpy"), tuple):  # format 1: getstate() tuples
+        key, keys, pos, has_gauss, cached = rng["numpy"]
+        version, mt, gauss = rng["python"]
+        rng = {
+            "python": {"version": int(version), "state": list(mt), "gauss": gauss},
+            "numpy": {
+                "key": str(key),
+                "state": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "torch": rng["torch"],
+        }
+    new = {**old, "rng": rng}
+    new.pop("format", None)
+    new = {"format": TRAINER_STATE_FORMAT, **plain_state(new)}
+    tmp = path.with_name(f".{TRAINER_STATE}.tmp")
+    torch.save(new, tmp)
+    tmp.replace(path)
+    if verdict.verified:
+        _write_manifest(checkpoint, checkpoint.name)
+    return path

@@ -159,6 +159,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rl_trainer.checkpoint import convert_trainer_state
+
+    print(f"converted: {convert_trainer_state(Path(args.checkpoint), trust=args.trust)}")
+    return 0
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     from rl_trainer.show import show_samples
 
@@ -272,6 +281,19 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("--dir", default=".", help="where to create NAME/ (default: here)")
     new.set_defaults(fn=_cmd_new)
     add_convert_parser(sub)
+    cvc = sub.add_parser(
+        "convert-checkpoint",
+        help="rewrite an old checkpoint's pickled trainer_state.pt in the safe format (once)",
+        description="Checkpoints of older rl-trainer versions hold a pickled trainer_state.pt, "
+        "which can run code when read, so --resume and eval refuse them. This reads it once "
+        "with pickle (only with --trust: you vouch for the file) and rewrites it as plain data "
+        "and tensors, then re-checksums the checkpoint.",
+    )
+    cvc.add_argument("checkpoint", help="a checkpoints/step_N directory")
+    cvc.add_argument(
+        "--trust", action="store_true", help="I trust this file: unpickle it to convert it"
+    )
+    cvc.set_defaults(fn=_cmd_convert_checkpoint)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

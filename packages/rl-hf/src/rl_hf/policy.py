@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -741,6 +742,7 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         tmp = out / (STATE_FILE + ".tmp")
         torch.save(state, tmp)
         tmp.replace(out / STATE_FILE)
+        _match_umask(out)
 
     def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
         """Restore weights, version and (if ``with_optimizer``) optimizer state from :meth:`save`.
@@ -796,3 +798,14 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
             for group in self.optimizer.param_groups:  # the configured AdamW, not the saved one
                 group.update(self._adamw_impl())
         self._version = int(state["version"])
+
+
+def _match_umask(directory: Path) -> None:
+    """Give the files of a saved model the mode the umask gives new files: safetensors writes
+    ``model.safetensors`` ``0600`` (through a temporary file), unlike every other file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = 0o666 & ~mask
+    for p in directory.rglob("*"):
+        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) != mode:
+            p.chmod(mode)

@@ -3,6 +3,7 @@ optionally, a Megatron distributed checkpoint of weights and optimizer state."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,9 @@ class _CheckpointMixin(_PolicyState):
         shutil.rmtree(out / DIST_DIR, ignore_errors=True)
         shutil.rmtree(out / OPTIM_DIR, ignore_errors=True)  # format 1 (per-rank files)
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        mask = os.umask(0)  # safetensors writes 0600; give it the mode of the run's other files
+        os.umask(mask)
+        (out / "model.safetensors").chmod(0o666 & ~mask)
         self.hf_config.save_pretrained(str(out))
         src_gen = Path(self.config.model_path) / "generation_config.json"
         if src_gen.is_file() and src_gen.resolve() != (out / src_gen.name).resolve():
