@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from rl_core.errors import WeightSyncError
+from rl_core.lora import ADAPTER_KEY
 from rl_weightsync.bucketing import iter_buckets, tensor_nbytes
 from rl_weightsync.checksum import tensor_checksum
 from rl_weightsync.manifest import Manifest, TensorEntry, dtype_name
@@ -261,3 +262,25 @@ def read_manifest(version_dir: Path, version: int) -> Manifest:
             "permissions or republish the version"
         ) from None
     return Manifest.from_json(data, source=str(path), expect_version=version)
+
+
+def read_complete_manifest(directory: Path, version: int, transport: str) -> Manifest:
+    """The verified manifest of complete ``version`` under ``directory``.
+
+    Raises:
+        WeightSyncError: no complete version there (naming the directory), or a bad manifest.
+    """
+    vdir = directory / version_dirname(version)
+    if not (vdir / COMPLETE).is_file():
+        raise WeightSyncError(
+            f"weight version {version}: no complete version at {str(vdir)!r} (never published, "
+            f"still being written, or pruned); the {transport} transport's newest_version() "
+            "names the newest one"
+        )
+    return read_manifest(vdir, version)
+
+
+def recorded_marker(manifest: Manifest) -> dict[str, Any]:
+    """The adapter marker the sender recorded in ``manifest`` (as update metadata), or ``{}``."""
+    marker = manifest.extra.get(ADAPTER_KEY)
+    return {ADAPTER_KEY: marker} if marker is not None else {}

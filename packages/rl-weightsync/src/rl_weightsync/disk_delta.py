@@ -92,6 +92,9 @@ __all__ = ["DiskDeltaTransport", "decode_delta", "encode_delta"]
 DELTA_FILE = "delta.bin"
 LOCAL_STATE = "rl_weightsync_state.json"
 _ENCODINGS = ("xor", "overwrite")
+_FLOAT_DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+)
 _ST_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -305,6 +308,8 @@ class DiskDeltaTransport(WeightTransport):
                 )
             tensors = cast_for_serving(named_tensors, self.config.serve_dtype, version=version)
             extra = publish_extra([n for n, _ in tensors], metadata, version=version)
+            if self.config.serve_dtype is not None:  # receivers seed their base with this cast
+                extra["serve_dtype"] = self.config.serve_dtype
             snap = self._snapshot
             full = (
                 snap is None
@@ -458,6 +463,51 @@ class DiskDeltaTransport(WeightTransport):
             },
         )
 
+    # -- lookup (sender and receivers) ------------------------------------------------------
+
+    @property
+    def versions(self) -> list[int]:
+        """Complete versions present in the directory, ascending (as
+        :attr:`DiskFullTransport.versions <rl_weightsync.disk_full.DiskFullTransport.versions>`)."""
+        return _fs.complete_versions(self.directory)
+
+    def version_dir(self, version: int) -> Path:
+        """Directory of ``version`` (which may not exist)."""
+        return self.directory / _fs.version_dirname(version)
+
+    def newest_version(self) -> int | None:
+        """The newest complete version in the directory (``None`` when there is none)."""
+        done = self.versions
+        return done[-1] if done else None
+
+    def update_for(self, version: int) -> WeightUpdate:
+        """The handle :meth:`publish` returned for ``version``, rebuilt from its verified
+        manifest: what a receiver in another process that only sees the directory applies
+        (a full version resets the chain; a delta applies on its ``base_version``).
+
+        Raises:
+            WeightSyncError: ``version`` is not complete in the directory (never published,
+                still being written, pruned) or its manifest fails verification.
+        """
+        m = _fs.read_complete_manifest(self.directory, version, self.name)
+        meta: dict[str, Any] = {
+            **_fs.recorded_marker(m),
+            "payload": m.extra.get("payload", "weights"),
+            "kind": m.kind,
+            "num_tensors": len(m.names),
+        }
+        if m.kind == "delta":
+            meta["changed_tensors"] = len(m.tensors)
+        meta["bytes"] = m.extra.get("bytes", 0)
+        meta["full_bytes"] = m.extra.get("full_bytes", 0)
+        return WeightUpdate(
+            version=version,
+            base_version=m.base_version,
+            transport=self.name,
+            location=str(self.version_dir(version)),
+            metadata=meta,
+        )
+
     def _prune(self) -> None:
         done = _fs.complete_versions(self.directory)
         keep = set(done[-self.config.keep_versions :])
@@ -483,16 +533,57 @@ class DiskDeltaTransport(WeightTransport):
         return self.local_dir
 
     def local_version(self) -> int | None:
-        """Version of the local checkpoint (seeding it from ``base_checkpoint`` if empty)."""
+        """Version of the local checkpoint (seeding it from ``base_checkpoint`` if empty, its
+        floating tensors cast to ``Config.serve_dtype`` when set)."""
+        return self._seeded_local_version(self.config.serve_dtype)
+
+    def _seed_local(self, serve_dtype: str | None) -> None:
+        """Write ``base_checkpoint`` (floating tensors cast to ``serve_dtype``) as the local
+        checkpoint at ``base_version``: the bytes the sender's deltas on that version start from."""
+        base = Path(self.config.base_checkpoint)  # type: ignore[arg-type]
+        tensors = _read_local_tensors(base)
+        if not tensors:
+            raise WeightSyncError(
+                f"DiskDeltaTransport.Config.base_checkpoint: no *.safetensors in {str(base)!r}; "
+                "point it at the Hugging Face checkpoint the engines started from"
+            )
+        cast = cast_for_serving(tensors.items(), serve_dtype, version=self.config.base_version)
+        self._replace_local(cast, self.config.base_version, base)
+
+    def _serve_dtype_of(self, manifest: Manifest) -> str | None:
+        """The dtype the sender served ``manifest``'s version in (recorded in its ``extra``), else
+        this receiver's ``Config.serve_dtype``; the two must agree when both are set."""
+        sent = manifest.extra.get("serve_dtype")
+        own = self.config.serve_dtype
+        if (
+            sent is not None
+            and own is not None
+            and dtype_from_name(str(sent)) != dtype_from_name(own)
+        ):
+            raise WeightSyncError(
+                f"weight version {manifest.version}: DiskDeltaTransport.Config.serve_dtype is "
+                f"{own!r} on this receiver but the sender serves {sent!r}; set the same "
+                "serve_dtype on both sides (or leave it unset on receivers: they follow the sender)"
+            )
+        return str(sent) if sent is not None else own
+
+    def _seeded_local_version(self, serve_dtype: str | None) -> int | None:
+        """:meth:`local_version`, seeding from the base cast to ``serve_dtype``; a local checkpoint
+        still on the base version whose floating tensors have another dtype (seeded before the
+        serve dtype was known, or by an older rl-weightsync) is seeded again with the cast."""
         local = self._require_local()
         state = local / LOCAL_STATE
         if not state.is_file():
-            base = self.config.base_checkpoint
-            if base is None:
+            if self.config.base_checkpoint is None:
                 return None
-            self._replace_local(
-                _read_local_tensors(Path(base)).items(), self.config.base_version, Path(base)
-            )
+            self._seed_local(serve_dtype)
+        elif serve_dtype is not None and self.config.base_checkpoint is not None:
+            raw = json.loads(state.read_text())
+            if raw.get("writing") is None and int(raw["version"]) == self.config.base_version:
+                want = dtype_name(dtype_from_name(serve_dtype))
+                held = {d for _, _, d, _ in _local_layout(local).values()}
+                if any(d in _FLOAT_DTYPES and d != want for d in held):
+                    self._seed_local(serve_dtype)
         raw = json.loads(state.read_text())
         if raw.get("writing") is not None:
             raise WeightSyncError(
@@ -599,7 +690,7 @@ class DiskDeltaTransport(WeightTransport):
                 tensors = load_checkpoint_tensors(vdir, manifest)
                 self._replace_local(tensors, version, vdir)
                 return tensors
-            local_v = self.local_version()
+            local_v = self._seeded_local_version(self._serve_dtype_of(manifest))
             if local_v == version:  # patched earlier, the target failed to load: reread and verify
                 check_name_set(
                     manifest,

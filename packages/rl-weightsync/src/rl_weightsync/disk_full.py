@@ -258,6 +258,33 @@ class DiskFullTransport(WeightTransport):
         """Directory of ``version`` (which may not exist)."""
         return self.directory / _fs.version_dirname(version)
 
+    def newest_version(self) -> int | None:
+        """The newest complete version in the directory (``None`` when there is none)."""
+        done = self.versions
+        return done[-1] if done else None
+
+    def update_for(self, version: int) -> WeightUpdate:
+        """The handle :meth:`publish` returned for ``version``, rebuilt from its verified
+        manifest: what a receiver in another process that only sees the directory applies.
+
+        Raises:
+            WeightSyncError: ``version`` is not complete in the directory (never published,
+                still being written, pruned) or its manifest fails verification.
+        """
+        manifest = _fs.read_complete_manifest(self.directory, version, self.name)
+        return WeightUpdate(
+            version=version,
+            base_version=None,
+            transport=self.name,
+            location=str(self.version_dir(version)),
+            metadata={
+                **_fs.recorded_marker(manifest),
+                "payload": manifest.extra.get("payload", "weights"),
+                "num_tensors": len(manifest.tensors),
+                "bytes": manifest.extra.get("bytes", 0),
+            },
+        )
+
     def publish(
         self,
         version: int,
