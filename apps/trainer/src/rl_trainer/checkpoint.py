@@ -6,7 +6,10 @@ Layout::
         policy/            weights (Hugging Face format), optimizer state, and for the
                            Megatron policy its distributed checkpoint (policy/megatron_dist/)
         critic/            the critic, when the run has one
-        trainer_state.pt   step, phase, weight version, data cursors, buffer, RNG states
+        trainer_state.pt   step, phase, weight version, data cursors, buffer, RNG states, the
+                           resolved config and the data digest: plain data and tensors, read
+                           with ``torch.load(weights_only=True)`` (nothing in it runs code)
+        config.yaml        the resolved config the checkpoint was written with
         MANIFEST.json      relative path, size and xxh3_128 of every file above
         COMPLETE           written last: the directory name and the manifest's xxh3_128
 
@@ -245,12 +248,14 @@ def write_checkpoint(
     save_models: Mapping[str, Callable[[Path], None]],
     trainer_state: dict[str, Any],
     keep: int,
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write checkpoint ``step_index`` atomically with its manifest and prune all but the newest
     ``keep``.
 
     ``save_models`` maps a sub-directory name (``policy``, ``critic``) to the function that writes
-    that model into it. ``trainer_state`` must be plain data and tensors (:func:`plain_state`).
+    that model into it. ``trainer_state`` must be plain data and tensors (:func:`plain_state`);
+    ``files`` maps more file names to their text (the run's ``config.yaml``).
     A file-system failure (read-only, full disk, file-size limit) raises :class:`CheckpointError`
     naming the path and the cause; the partial ``.tmp-step_N`` directory is removed and never
     taken for a checkpoint (readers only consider directories with ``COMPLETE``).
@@ -268,6 +273,8 @@ def write_checkpoint(
         for name_, save in save_models.items():
             save(tmp / name_)
         torch.save(state, tmp / TRAINER_STATE)
+        for fname, text in (files or {}).items():
+            (tmp / fname).write_text(text)
         match_umask(tmp)
         _write_manifest(tmp, name)
         if final.exists():

@@ -69,6 +69,8 @@ def _resume_command(args: argparse.Namespace) -> str:
     words = ["rl-train", "run", args.recipe, "--resume"]
     for item in args.set or []:
         words += ["--set", item]
+    for item in getattr(args, "allow_changed", None) or []:
+        words += ["--allow-changed", item]
     if args.no_report:
         words.append("--no-report")
     return shlex.join(words)
@@ -81,7 +83,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_trainer_config(recipe_path(args.recipe), args.set or [])
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=args.resume)
+    trainer = Trainer(
+        cfg,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        allow_changed=args.allow_changed or (),
+    )
     records = trainer.run()
     wall = time.perf_counter() - t0
     evals = [r for r in records if "eval/reward_mean" in r]
@@ -215,6 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument(
         "--no-report", action="store_true", help="do not draw the PNG report at the end"
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="run_dir holds an earlier run: move it aside to RUN_DIR.old-<time> (nothing is "
+        "deleted) and start anew",
+    )
+    run.add_argument(
+        "--allow-changed",
+        action="append",
+        metavar="FIELD",
+        help="with --resume: accept a change of FIELD (or a section, e.g. policy) from the "
+        "checkpoint's config (repeatable)",
     )
     run.set_defaults(fn=_cmd_run)
     rep = sub.add_parser("report", help="draw PNG plots of a run, or compare runs on one figure")

@@ -102,7 +102,7 @@ def run_eval(
     from rl_trainer.phases import eval as evaluation
 
     cfg, model_dir, step = eval_config(checkpoint, recipe, overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, own_dir=False)  # eval/<name>/ is re-evaluated in place
     if not any(s.prompts for s in trainer.eval_sets):
         raise ConfigError(
             "eval: no eval prompts; the task's eval split, data.eval or eval.datasets must "
@@ -124,7 +124,7 @@ def run_eval(
         trainer.policy = _Version(0)
         try:
             trainer.generator = await build_generator(cfg, trainer.runtime, str(model_dir))
-            result = await evaluation.evaluate(trainer, 0)
+            result = await evaluation.evaluate(trainer, 0, every_set=True)
             trainer.emit({"step": step or 0, "phase": "eval", **result})
         finally:
             metrics.close()

@@ -35,12 +35,14 @@ import concurrent.futures
 import logging
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from rl_core.config import to_dict
 from rl_core.errors import RLError
 from rl_trainer import state as trainer_state
 from rl_trainer.assembly import Components, assemble, thread_split
@@ -53,6 +55,8 @@ from rl_trainer.offload import Handover, onloaded
 from rl_trainer.phases import eval as evaluation
 from rl_trainer.phases import phases_for
 from rl_trainer.pipeline import RolloutPipeline
+from rl_trainer.resume_check import data_digest
+from rl_trainer.rundir import RunLock, claim, write_config
 from rl_trainer.stopping import StopSignals
 
 __all__ = ["Trainer"]
@@ -69,11 +73,41 @@ class Trainer:
     (:attr:`state`) and, on the ``ray`` runtime, :attr:`runtime`.
     """
 
-    def __init__(self, config: TrainerConfig, *, resume: bool = False) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        allow_changed: Sequence[str] = (),
+        own_dir: bool = True,
+    ) -> None:
+        """``resume``: continue from the newest checkpoint; ``overwrite``: move an earlier run
+        in ``run_dir`` aside instead of refusing; ``allow_changed``: fields ``--resume`` may
+        see changed (:mod:`rl_trainer.resume_check`); ``own_dir``: lock ``run_dir`` for this
+        run and refuse an earlier run there (:mod:`rl_trainer.rundir`; eval-only runs do not)."""
         self.config = config
         self.resume = resume
+        self.allow_changed = tuple(allow_changed)
         self.run_dir = config.run_path
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock: RunLock | None = None
+        """The lock this run holds on ``run_dir`` (released when :meth:`run` ends)."""
+        if own_dir:
+            self.run_lock = claim(self.run_dir, resume=resume, overwrite=overwrite)
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._init(config)
+        except BaseException:
+            self.release_run_dir()
+            raise
+
+    def release_run_dir(self) -> None:
+        """Release the lock on ``run_dir`` (idempotent)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _init(self, config: TrainerConfig) -> None:
         torch.set_num_threads(thread_split(config)[0])
         self._seed_everything(config.seed)
         self.parts: Components = assemble(config)
@@ -120,8 +154,14 @@ class Trainer:
         self._metrics: MetricsLogger | None = None
         self._records: list[dict[str, Any]] = []
         self._t_start = 0.0
+        self.data_digest: dict[str, str] = data_digest(
+            to_dict(config), exclude=self.run_dir.absolute()
+        )
+        """Content digests of the data files the run reads (checked by ``--resume``)."""
         if self.resume:
             trainer_state.restore(self)
+        if self.run_lock is not None:
+            write_config(self.run_dir, to_dict(config))
         if config.runtime.type == "ray":
             from rl_trainer.ray import RayRuntime
 
@@ -215,6 +255,7 @@ class Trainer:
             self.receiver.close()
         if self.runtime is not None:
             self.runtime.shutdown()
+        self.release_run_dir()
 
     # ----------------------------------------------------------------------------- for phases
     def emit(self, rec: dict[str, Any]) -> None:

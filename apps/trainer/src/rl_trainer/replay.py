@@ -204,6 +204,7 @@ def run_rollout_only(recipe: str | Path, overrides: Sequence[str]) -> list[dict[
                 await trainer.generator.close()
             if trainer.runtime is not None:
                 trainer.runtime.shutdown()
+            trainer.release_run_dir()
         return records
 
     return asyncio.run(main())

@@ -23,6 +23,8 @@ from rl_trainer.checkpoint import (
     resume_checkpoint,
     write_checkpoint,
 )
+from rl_trainer.resume_check import check_resume
+from rl_trainer.rundir import config_text
 
 if TYPE_CHECKING:
     from rl_trainer.loop import Trainer
@@ -44,6 +46,7 @@ def capture(run: Trainer, metrics_lines: int) -> dict[str, Any]:
         "rng": capture_rng(),
         "metrics_lines": metrics_lines,
         "config": to_dict(run.config),
+        "data_digest": dict(run.data_digest),
     }
 
 
@@ -59,17 +62,26 @@ def save(run: Trainer, metrics_lines: int) -> None:
         save_models=savers,
         trainer_state=capture(run, metrics_lines),
         keep=run.config.checkpoint.keep,
+        files={"config.yaml": config_text(to_dict(run.config))},
     )
 
 
 def restore(run: Trainer) -> None:
     """Read the newest intact checkpoint's trainer state into ``run`` (every file is verified
     against the checkpoint's manifest first; ``checkpoint.on_damaged`` says what a damaged one
-    does); the models are loaded when their phase starts (:func:`load_resumed_models`)."""
+    does; the recipe and the data must match the checkpoint's, :func:`check_resume`); the models are loaded when their phase starts (:func:`load_resumed_models`)."""
     ckpt = resume_checkpoint(run.run_dir, on_damaged=run.config.checkpoint.on_damaged)
     if ckpt is None:
         return  # nothing to resume: start fresh (the run was killed before its first checkpoint)
     st = load_trainer_state(ckpt)
+    check_resume(
+        ckpt,
+        st.get("config"),
+        to_dict(run.config),
+        saved_digest=st.get("data_digest"),
+        current_digest=run.data_digest,
+        allow=run.allow_changed,
+    )
     parts = run.parts
     run.state = dict(st["state"])
     parts.train_data.load_state_dict(st["train_data"])
