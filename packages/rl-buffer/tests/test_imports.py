@@ -27,6 +27,7 @@ EXPECTED = {
     "estimate_flops",
     "estimate_flops_array",
     "pack_micro_batches",
+    "rank_batches",
     "resume_request",
     "schedule_step",
     "split_steps",

@@ -18,6 +18,7 @@ from rl_buffer.sources import (
     ParquetSource,
     SourceConfig,
 )
+from rl_buffer.step_batches import rank_batches
 from rl_buffer.version import __version__
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "estimate_flops",
     "estimate_flops_array",
     "pack_micro_batches",
+    "rank_batches",
     "resume_request",
     "schedule_step",
     "split_steps",
