@@ -8,6 +8,9 @@ does not import transformers until one of them is used::
 
     path = build_tiny_model("runs/tiny", TinyModelSpec(arch="qwen2", hidden_size=64))
     policy = HFPolicy(HFPolicy.Config(model_path=str(path), lr=1e-3))
+
+Without HFPolicy, :func:`packed_logprobs` scores packed sequences with a plain transformers model
+(``rl_hf.packed``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "__version__",
     "build_tiny_model",
     "build_tokenizer",
+    "packed_logprobs",
 ]
 
 _LAZY = {
@@ -36,6 +40,7 @@ _LAZY = {
     "TinyModelSpec": "rl_hf.tiny",
     "build_tiny_model": "rl_hf.tiny",
     "build_tokenizer": "rl_hf.tokenizer",
+    "packed_logprobs": "rl_hf.packed",
 }
 
 
