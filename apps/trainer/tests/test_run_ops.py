@@ -107,7 +107,8 @@ def test_dump_refuses_unserialisable_labels_and_foreign_versions(tmp_path):
 
 def test_replay_gives_bitwise_the_same_weights(dumped_run, tmp_path):
     out = tmp_path / "replayed"
-    assert main(["replay", str(dumped_run / "dumps"), "--set", f"run_dir={out}"]) == 0
+    recipe = str(dumped_run.parent / "recipe.json")  # the dump names code: replay needs it
+    assert main(["replay", str(dumped_run / "dumps"), recipe, "--set", f"run_dir={out}"]) == 0
     original, replayed = _weights(dumped_run / "final_model"), _weights(out / "final_model")
     init = _weights(dumped_run / "init_model")
     assert original.keys() == replayed.keys()
@@ -139,7 +140,8 @@ def test_replay_of_an_async_run_is_bitwise_too(tmp_path, tiny_recipe_dict):
     stale = [dumps.load_step(tmp_path / "run" / "dumps", s).staleness for s in (1, 2, 3)]
     assert [x["rollout/staleness_max"] for x in stale] == [0, 1, 1]
     out = tmp_path / "replayed"
-    assert main(["replay", str(tmp_path / "run" / "dumps"), "--set", f"run_dir={out}"]) == 0
+    dump, recipe = str(tmp_path / "run" / "dumps"), str(tmp_path / "r.json")
+    assert main(["replay", dump, recipe, "--set", f"run_dir={out}"]) == 0
     original, replayed = _weights(tmp_path / "run" / "final_model"), _weights(out / "final_model")
     assert all(torch.equal(original[k], replayed[k]) for k in original)
 
@@ -150,7 +152,11 @@ def test_replay_errors_name_the_fix(dumped_run, tmp_path, capsys):
     from rl_trainer.replay import run_replay
 
     with pytest.raises(ConfigError, match="rl.steps: 3, but .* holds 2 dumped steps"):
-        run_replay(dumped_run / "dumps", None, ["rl.steps=3", f"run_dir={tmp_path / 'x'}"])
+        run_replay(
+            dumped_run / "dumps",
+            dumped_run.parent / "recipe.json",
+            ["rl.steps=3", f"run_dir={tmp_path / 'x'}"],
+        )
 
 
 def test_rollout_only_generates_scores_and_dumps(tmp_path, tiny_recipe_dict):
@@ -185,14 +191,15 @@ def test_eval_reproduces_the_runs_own_evaluations(dumped_run, capsys):
     """Eval-only on the initial model gives the run's step-0 eval; on the last checkpoint it
     gives the run's last eval (greedy eval: the same answers)."""
     orig = [r for r in _records(dumped_run) if "eval/reward_mean" in r]
-    assert main(["eval", str(dumped_run / "init_model")]) == 0
+    recipe = str(dumped_run.parent / "recipe.json")  # its config names code: pass the recipe
+    assert main(["eval", str(dumped_run / "init_model"), recipe]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     first = {k: v for k, v in orig[0].items() if k.startswith("eval/")}
     assert summary["metrics"] == first
     saved = json.loads(Path(summary["out"]).read_text())
     assert saved["metrics"] == first and saved["config"]["model"]["path"].endswith("init_model")
     ckpt = next((dumped_run / "checkpoints").iterdir())
-    assert main(["eval", str(ckpt)]) == 0
+    assert main(["eval", str(ckpt), recipe]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["step"] == 2
     assert summary["metrics"] == {k: v for k, v in orig[-1].items() if k.startswith("eval/")}

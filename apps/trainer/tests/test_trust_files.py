@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_core.errors import CheckpointError
+from rl_core.errors import CheckpointError, ConfigError
 from rl_trainer.checkpoint import (
     MARKER,
     _write_manifest,
@@ -137,3 +137,57 @@ def test_checkpoint_files_get_the_umask_mode(tmp_path):
         if p.is_file():
             assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
     assert (ckpt / MARKER).is_file()
+
+
+# ----------------------------------------------------------------------------- stored configs
+EVIL = """
+from pathlib import Path
+Path({marker!r}).write_text("imported")
+
+def score(prompt, response, rollout):
+    return 0.0
+"""
+
+
+@pytest.fixture
+def evil_code(tmp_path) -> tuple[str, Path]:
+    """A reward reference whose import writes a marker file, and that marker."""
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_reward.py").write_text(EVIL.format(marker=str(marker)))
+    return f"{tmp_path / 'evil_reward.py'}:score", marker
+
+
+def test_a_dump_naming_code_is_inert(tmp_path, evil_code, tiny_recipe_dict, capsys):
+    from rl_trainer import dumps
+
+    ref, marker = evil_code
+    config = tiny_recipe_dict(tmp_path / "orig", reward={"type": ref})
+    dumps.write_manifest(tmp_path / "dump", config)
+    run_dir = tmp_path / "replayed"
+    assert main(["replay", str(tmp_path / "dump"), "--set", f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert f"reward.type: {ref}" in err and "RECIPE" in err
+    # with a recipe naming other code: refused naming both
+    (tmp_path / "good_reward.py").write_text(
+        "def score(prompt, response, rollout):\n    return 1.0\n"
+    )
+    recipe = tiny_recipe_dict(run_dir, reward={"type": f"{tmp_path / 'good_reward.py'}:score"})
+    (tmp_path / "recipe.json").write_text(__import__("json").dumps(recipe))
+    assert main(["replay", str(tmp_path / "dump"), str(tmp_path / "recipe.json")]) == 2
+    err = capsys.readouterr().err
+    assert "differs" in err and ref in err and "good_reward.py:score" in err
+    assert not marker.exists()
+
+
+def test_eval_of_a_checkpoint_whose_config_names_code_is_refused(
+    tmp_path, evil_code, tiny_recipe_dict
+):
+    from rl_trainer.eval_only import eval_config
+
+    ref, marker = evil_code
+    config = tiny_recipe_dict(tmp_path / "run", reward={"type": ref})
+    state = {"state": {"rl_step": 1}, "config": config}
+    ckpt = write_checkpoint(tmp_path / "run", 1, save_models={}, trainer_state=state, keep=2)
+    with pytest.raises(ConfigError, match=r"reward\.type: .*evil_reward\.py:score"):
+        eval_config(ckpt, None, [])
+    assert not marker.exists()

@@ -3,8 +3,10 @@ means; :mod:`rl_trainer.evaluation`) on any checkpoint, without training.
 
 ``CHECKPOINT`` is a run's ``final_model``, one of its ``checkpoints/step_N`` directories, or any
 model directory the generator loads. The config is ``RECIPE`` when given, else the one the run
-stored in its checkpoints (``trainer_state.pt``). Samples are drawn with the seeds of RL step 0,
-so two checkpoints of one run are evaluated on the same prompts with the same seeds.
+stored in its checkpoints (``trainer_state.pt``) provided it names no code to import
+(:mod:`rl_trainer.trust`: a checkpoint is data anyone may send). Samples are drawn with the
+seeds of RL step 0, so two checkpoints of one run are evaluated on the same prompts with the
+same seeds.
 
 Results go to ``<run>/eval/<name>/eval.json`` (or ``--out``), as one record to that directory's
 ``metrics.jsonl``, and to the metrics sinks the config enables (``logging.wandb``).
@@ -65,6 +67,9 @@ def eval_config(
 
         data = load_config_file(recipe)
     elif stored is not None:
+        from rl_trainer.trust import refuse_stored_code
+
+        refuse_stored_code(stored, ckpt, f"rl-train eval {ckpt} RECIPE")
         data = dict(stored)
     else:
         raise ConfigError(

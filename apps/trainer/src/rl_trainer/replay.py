@@ -6,7 +6,9 @@ into the buffer in place of a rollout round, and the rest of the step (take, adv
 train) is the ordinary one. Nothing is generated: the generator is :class:`ReplayGenerator`,
 which only records the weight version it was sent, and evaluation is off. On the same layout
 (world size, micro-batch cap, backend, dtype) the replayed run ends with bitwise the same weights
-as the run that wrote the dump. Without ``RECIPE`` the config is the one stored in the dump.
+as the run that wrote the dump. Without ``RECIPE`` the config is the one stored in the dump,
+provided it names no code to import (a dump is data anyone may send; :mod:`rl_trainer.trust`);
+with ``RECIPE`` its code references must be the ones the dump names.
 
 ``rl-train rollout RECIPE`` runs the rounds without training (data generation, serving
 capacity tests): generation, rewards, filters and dumps, with the generator's weights fixed at
@@ -21,12 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rl_core.config import ComponentSpec, apply_overrides
+from rl_core.config import ComponentSpec, apply_overrides, to_dict
 from rl_core.errors import ConfigError, DataError, RLError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.types import GenerationRequest, GenerationResult, WeightUpdate
 from rl_trainer import dumps
 from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.trust import check_same_code, code_refs, refuse_stored_code
 
 __all__ = [
     "ReplayGenerator",
@@ -103,8 +106,10 @@ def replay_config(
     with ``overrides``, then made train-only: the replay generator, evaluation and dumps off,
     synchronous steps, and ``run_dir`` ``<run_dir>-replay`` unless overridden."""
     manifest = dumps.read_manifest(dump_dir)
+    stored = manifest.get("config") or {}
+    source = Path(dump_dir) / "dump.json"
     if recipe is None:
-        data = dict(manifest["config"])
+        data = dict(stored)
         data["run_dir"] = f"{data.get('run_dir', 'runs/default')}-replay"
     else:
         from rl_core.config import load_config_file
@@ -112,7 +117,16 @@ def replay_config(
         data = load_config_file(recipe)
         data["run_dir"] = f"{data.get('run_dir', 'runs/default')}-replay"
     data = apply_overrides(data, list(overrides), base_dir=Path.cwd())
+    if recipe is None:  # the dump's own code is never imported: only code --set names
+        from_dump = code_refs(stored)
+        refuse_stored_code(
+            {k: v for k, v in code_refs(data).items() if from_dump.get(k) == v},
+            source,
+            f"rl-train replay {dump_dir} RECIPE",
+        )
     cfg = load_trainer_config(data)
+    if recipe is not None:
+        check_same_code(stored, to_dict(cfg), source, recipe)
     if cfg.rl.partial_rollouts:
         cfg.rl.partial_rollouts = False
     cfg.rl.async_generation = False  # a step trains on the same groups either way
