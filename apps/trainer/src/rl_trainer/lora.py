@@ -7,9 +7,9 @@ sync, and the final export.
 - **Weight sync** (``rl.lora_sync``). ``adapter``: publish
   :meth:`~rl_core.interfaces.Policy.named_adapter_weights` (a few megabytes) marked with
   :func:`rl_core.lora.with_adapter`; the generator loads them as a named adapter on the base it
-  serves. ``merged``: publish the merged full weights (:meth:`named_weights`). ``auto``:
-  ``adapter`` when the policy has LoRA and the generator takes adapters
-  (``Generator.supports_lora_adapters``), else ``merged``.
+  serves. ``merged``: publish the merged full weights
+  (:meth:`~rl_core.interfaces.Policy.named_weights`). ``auto``: ``adapter`` when the policy has LoRA
+  and the generator takes adapters (``Generator.supports_lora_adapters``), else ``merged``.
 - **Multi-LoRA** (``policy.lora.adapters`` with ``rollout.adapter_key``): every prompt is
   tagged with its adapter (:func:`tag_prompts`, ``Prompt.metadata[SEQUENCE_ADAPTER_KEY]``); the
   default sampling sends it as ``GenerationRequest.adapter``, its rollouts carry it

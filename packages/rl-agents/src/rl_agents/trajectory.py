@@ -1,4 +1,5 @@
-"""Multi-turn trajectories, token-in/token-out, for custom rollouts (:class:`GenerateFn`).
+"""Multi-turn trajectories, token-in/token-out, for custom rollouts
+(:class:`~rl_core.interfaces.GenerateFn`).
 
 A :class:`TrajectoryBuilder` holds one token list that starts with the prompt's ids and grows by
 turns:
@@ -21,8 +22,9 @@ conversion check that the four per-token lists stay aligned; a violation raises
 
 Length budget: with ``Config.max_length`` set, :attr:`~TrajectoryBuilder.is_full` tells the loop
 to stop, :meth:`~TrajectoryBuilder.clamp` shortens ``max_new_tokens`` to the tokens left, a model
-turn appended to a trajectory that is already full is refused, and :meth:`to_rollout` cuts an
-over-long trajectory to ``max_length`` tokens with status ``truncated``.
+turn appended to a trajectory that is already full is refused, and
+:meth:`~TrajectoryBuilder.to_rollout` cuts an over-long trajectory to ``max_length`` tokens with
+status ``truncated``.
 
 Fan-out (sub-agents, branches, context compaction): :meth:`~TrajectoryBuilder.fork` copies a
 trajectory to branch from it, and :func:`siblings` turns several builders into rollouts that

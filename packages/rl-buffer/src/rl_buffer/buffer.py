@@ -3,14 +3,15 @@
 Every rollout carries the policy version of each response token (``Rollout.versions``).
 ``take(n, min_version=v)`` never returns a group with a token older than ``v``; with
 ``max_staleness=s`` and ``take(n, policy_version=p)`` the bound is ``p - s``. Stale groups met by
-``take`` are dropped (counted) or recycled (their prompts handed back via :meth:`pop_recycled`
-for regeneration), per ``on_stale``.
+``take`` are dropped (counted) or recycled (their prompts handed back via
+:meth:`~GroupBuffer.pop_recycled` for regeneration), per ``on_stale``.
 
 Partial rollouts (aborted at a weight update) are kept apart with their tokens, log-probs and
 versions (:meth:`GroupBuffer.put_partial` / :meth:`GroupBuffer.take_partial`); the generator
 continues them on the new weights and puts the finished group back with :meth:`GroupBuffer.put`.
 ``mask_offpolicy_tokens`` zeroes the loss mask of tokens sampled by an older policy than the one
-that finished the rollout. Everything, partial rollouts included, is in :meth:`state_dict`::
+that finished the rollout. Everything, partial rollouts included, is in
+:meth:`~GroupBuffer.state_dict`::
 
     buf = GroupBuffer(GroupBuffer.Config(max_staleness=1, on_stale="drop"))
     buf.put(groups)                                  # scored groups from the generator

@@ -61,7 +61,8 @@ and gradient buffers) or ``optimizer`` state (master weights, Adam moments, step
 
 @dataclass(kw_only=True, slots=True)
 class OffloadConfig:
-    """What :meth:`Policy.offload` moves off the device (each kind is moved or kept whole)."""
+    """What :meth:`~rl_core.interfaces.Policy.offload` moves off the device (each kind is moved or
+    kept whole)."""
 
     weights: bool = True
     """Parameters and buffers of the model."""

@@ -72,8 +72,8 @@ class PolicyLoRAMixin:
             yield name, tensor.detach()
 
     def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
-        """:meth:`compute_logprobs` of the frozen base model (adapters disabled through peft's
-        ``disable_adapter()``): the KL reference without a second copy of the model.
+        """:meth:`~rl_hf.HFPolicy.compute_logprobs` of the frozen base model (adapters disabled
+        through peft's ``disable_adapter()``): the KL reference without a second copy of the model.
 
         Raises:
             ConfigError: the policy has no adapter (``lora`` is not set).
@@ -88,9 +88,10 @@ class PolicyLoRAMixin:
             self._base_view = False
 
     def save_merged(self, directory: str | Path) -> None:
-        """Write the model as :meth:`save` does without ``lora``: a Hugging Face directory of
-        the merged weights (:meth:`named_weights`) that ``AutoModelForCausalLM`` loads, plus
-        the state file (version only). Without ``lora`` it is ``save(with_optimizer=False)``.
+        """Write the model as :meth:`~rl_hf.HFPolicy.save` does without ``lora``: a Hugging Face
+        directory of the merged weights (:meth:`~rl_hf.HFPolicy.named_weights`) that
+        ``AutoModelForCausalLM`` loads, plus the state file (version only). Without ``lora`` it is
+        ``save(with_optimizer=False)``.
 
         Raises:
             CheckpointError: transformers could not write the model directory.
@@ -100,7 +101,8 @@ class PolicyLoRAMixin:
         self._save_state(out, with_optimizer=False)
 
     def _load_adapter_checkpoint(self, src: Path, *, with_optimizer: bool) -> None:
-        """:meth:`load` of an adapter checkpoint: its base must be this policy's base."""
+        """:meth:`~rl_hf.HFPolicy.load` of an adapter checkpoint: its base must be this policy's
+        base."""
         from rl_hf._lora import check_base, read_adapter_checkpoint
         from rl_hf.policy import STATE_FILE
 

@@ -433,9 +433,10 @@ class _LoRAMixin(_PolicyState):
     # ------------------------------------------------------------------ merged weights, base
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full Hugging Face tensors (see :meth:`_WeightsMixin.named_weights`); with
-        ``policy.lora`` the adapted ones are merged (``W + scaling * B @ A``), so a generator
-        without adapter support serves the trained model."""
+        """Full Hugging Face tensors (see
+        :meth:`~rl_megatron._policy_weights._WeightsMixin.named_weights`); with ``policy.lora`` the
+        adapted ones are merged (``W + scaling * B @ A``), so a generator without adapter support
+        serves the trained model."""
         if self.config.lora is None:
             yield from super().named_weights()
             return
@@ -462,7 +463,8 @@ class _LoRAMixin(_PolicyState):
 
     def compute_base_logprobs(self, batch: Any) -> Any:
         """Log-probs ``[T]`` of the frozen base (adapters disabled): the KL reference without a
-        second copy of the base (collective, as :meth:`compute_logprobs`).
+        second copy of the base (collective, as
+        :meth:`~rl_megatron.MegatronPolicy.compute_logprobs`).
 
         Raises:
             ConfigError: the policy has no adapter (``policy.lora`` is not set).

@@ -10,10 +10,10 @@ Three things live here:
 * :func:`expert_entries`: the weight-map entries of one MoE layer (router and this rank's
   experts; see :mod:`rl_megatron.convert`);
 * :class:`RoutingControl`: routing replay and the router's own choice. Every MoE router gets a
-  :class:`_ReplayingRecorder` as its megatron-core ``router_replay`` hook
-  (``TransformerConfig.moe_enable_routing_replay``): it always records the top-k the router
-  itself computes, and when a target is set it returns that target instead (the probabilities
-  are the router's scores gathered at the target experts, then normalised as the router does).
+  ``_ReplayingRecorder`` as its megatron-core ``router_replay`` hook
+  (``TransformerConfig.moe_enable_routing_replay``): it always records the top-k the router itself
+  computes, and when a target is set it returns that target instead (the probabilities are the
+  router's scores gathered at the target experts, then normalised as the router does).
 
 Routing tensors follow :mod:`rl_core.routing`: ``[T, L, K]`` over the packed tokens of a batch
 and the ``L`` MoE layers of the model. The model runs padded ``[N, S]`` rows and megatron-core's
@@ -260,8 +260,8 @@ def unfuse_hf_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def _replaying_recorder_type() -> type:
-    """:class:`_ReplayingRecorder`, built on megatron-core's ``RouterReplay`` at first use (so
-    this module imports without megatron-core)."""
+    """``_ReplayingRecorder``, built on megatron-core's ``RouterReplay`` at first use (so this
+    module imports without megatron-core)."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     class _ReplayingRecorder(RouterReplay):

@@ -67,10 +67,10 @@ class _CheckpointMixin(_PolicyState):
         self._finish_save(out, with_optimizer=with_optimizer, lora=lora)
 
     def save_merged(self, directory: str | Path) -> None:
-        """Write the merged model (:meth:`named_weights`: base plus ``scaling * B @ A``) as a
-        Hugging Face directory that ``AutoModelForCausalLM`` (and this policy without ``lora``)
-        loads, with a state file holding the version and no optimizer state (collective).
-        Without ``policy.lora`` it is ``save(with_optimizer=False)``."""
+        """Write the merged model (:meth:`~rl_megatron.MegatronPolicy.named_weights`: base plus
+        ``scaling * B @ A``) as a Hugging Face directory that ``AutoModelForCausalLM`` (and this
+        policy without ``lora``) loads, with a state file holding the version and no optimizer state
+        (collective). Without ``policy.lora`` it is ``save(with_optimizer=False)``."""
         if getattr(self.config, "lora", None) is None:
             self.save(directory, with_optimizer=False)
             return

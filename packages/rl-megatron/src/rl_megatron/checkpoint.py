@@ -33,9 +33,9 @@ Formats chosen, on megatron-core 0.16.1:
 A checkpoint of one optimizer kind does not load into the other (the state keys differ); the
 policy refuses that with a :class:`~rl_core.errors.CheckpointError` before reading anything.
 
-Writing is synchronous and in-process (:class:`_InProcessTorchDistSave`): megatron-core's
-default ``torch_dist`` writer forks one writer process per thread and needs ``psutil`` and a
-spawned ``multiprocessing`` manager, neither of which this package needs otherwise.
+Writing is synchronous and in-process (``_InProcessTorchDistSave``): megatron-core's default
+``torch_dist`` writer forks one writer process per thread and needs ``psutil`` and a spawned
+``multiprocessing`` manager, neither of which this package needs otherwise.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ class _ControlMixin(_GeneratorState):
         """Abort the given (or all) requests; they return ABORT with their partial tokens.
 
         Requests still waiting for a slot return ABORT with no tokens. Unknown ids are ignored.
-        Aborting all also covers requests of :meth:`generate` calls already made but not yet
-        dispatched.
+        Aborting all also covers requests of :meth:`~rl_sglang.SGLangGenerator.generate` calls
+        already made but not yet dispatched.
         """
         if request_ids is None:
             self._abort_epoch += 1

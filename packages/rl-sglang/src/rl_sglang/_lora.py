@@ -14,12 +14,12 @@ in ``/generate``); a request without one runs the base model::
     await gen.unload_lora_adapter("task-a")
 
 Adapter-only weight updates (an update marked by :func:`rl_core.lora.with_adapter`, from any
-rl-weightsync transport) go through :meth:`update_weights` like full weights: the verified
-adapter tensors are written as a peft directory under ``<log_dir>/adapters/`` and loaded under
-a versioned name (``task-v7``); the adapter's own name (``task``) then resolves to it, requests
-that name none use it (when the default was unset or the previous version), the servers' weight
-version is stamped, and the previous version is unloaded. SGLang's unload waits for the requests
-still running on it, so in-flight requests finish on the old adapter.
+rl-weightsync transport) go through :meth:`~rl_sglang.SGLangGenerator.update_weights` like full
+weights: the verified adapter tensors are written as a peft directory under ``<log_dir>/adapters/``
+and loaded under a versioned name (``task-v7``); the adapter's own name (``task``) then resolves to
+it, requests that name none use it (when the default was unset or the previous version), the
+servers' weight version is stamped, and the previous version is unloaded. SGLang's unload waits for
+the requests still running on it, so in-flight requests finish on the old adapter.
 
 Multi-LoRA: a request's own ``adapter`` (:attr:`~rl_core.types.GenerationRequest.adapter`)
 picks its adapter by name (resolved to the current version), and a multi-adapter update

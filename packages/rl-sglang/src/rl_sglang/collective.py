@@ -15,7 +15,7 @@ sglang (the trainer's environment does not have it)::
 The generator (:class:`~rl_sglang.generator.SGLangGenerator`) drives the HTTP side and calls
 :meth:`SGLangCollectiveTransport.push`; the group is (re)built whenever the set of servers
 changes (a restarted server joins a new group). Other targets (e.g. the reference generator in
-the same process) get the staged tensors through :meth:`receive`.
+the same process) get the staged tensors through :meth:`~SGLangCollectiveTransport.receive`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ SGLang 0.5.23)::
 
 The answer's ``meta_info.input_token_logprobs`` is ``[[logprob, token_id, text], ...]`` with
 ``null`` at the first position; entry ``t`` is ``log p(tokens[t] | tokens[:t])``, which is what
-:meth:`compute_logprobs` returns at packed position ``t`` (0 at sequence starts, as the policy
-backends do). The token ids in the answer are checked against the request.
+:meth:`~SGLangTeacher.compute_logprobs` returns at packed position ``t`` (0 at sequence starts, as
+the policy backends do). The token ids in the answer are checked against the request.
 
 The server runs separately (launched by hand or by :class:`~rl_sglang.SGLangGenerator` for
 another model) and must serve the teacher model with the student's tokenizer. SGLang's input

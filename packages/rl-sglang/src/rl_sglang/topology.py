@@ -35,10 +35,10 @@ The rollout function addresses a group by name through the generator it is given
         judge = ctx.generator.group("judge")                               # an SGLangGenerator
         (verdict,) = await judge.generate([GenerationRequest(...)])
 
-The topology itself is the run's generator: :meth:`generate` (the trainer's default single-turn
-path and ``ctx.generate``) goes to ``default_group`` (default: the first group serving the
-policy); weight updates, abort, pause and memory release go to every group serving the policy;
-:meth:`close` stops all groups.
+The topology itself is the run's generator: :meth:`~SGLangTopology.generate` (the trainer's default
+single-turn path and ``ctx.generate``) goes to ``default_group`` (default: the first group serving
+the policy); weight updates, abort, pause and memory release go to every group serving the policy;
+:meth:`~SGLangTopology.close` stops all groups.
 
 Prefill/decode disaggregation (``worker_type: prefill`` / ``decode``, or SGLang's
 ``disaggregation_mode``) is refused: SGLang has no PD mode on CPU, and on CUDA it needs the

@@ -10,11 +10,12 @@ world, so when an engine is restarted (or a member fails a transfer) the pool fo
     group = CollectiveGroup(runtime.ranks[0], spec, tag="rl-1234abcd")
     versions = await group.form(engines)      # generation 1; again after every restart
 
-The new sender takes over the old one (:meth:`BroadcastTransport.take_over`): the newest
-published version is posted again on the new group, every member joins it (the restarted engine
-applies it, the others discard it: :meth:`GeneratorEngine.resync`), and the run goes on without
-restarting the trainer. Members that are dead cannot hang the others: a receiver gives up after
-the transport's ``timeout_s`` and a closed receiver (its group re-formed) stops waiting at once.
+The new sender takes over the old one (:meth:`~rl_weightsync.BroadcastTransport.take_over`): the
+newest published version is posted again on the new group, every member joins it (the restarted
+engine applies it, the others discard it: :meth:`GeneratorEngine.resync`), and the run goes on
+without restarting the trainer. Members that are dead cannot hang the others: a receiver gives up
+after the transport's ``timeout_s`` and a closed receiver (its group re-formed) stops waiting at
+once.
 
 With a model-parallel policy (Megatron TP/PP, several policy ranks), every rank iterates
 ``named_weights`` (the collective gathers run once per weight) and only rank 0 feeds the

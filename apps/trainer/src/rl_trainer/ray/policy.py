@@ -197,8 +197,8 @@ class PolicyRank:
     def reform_sender(self, spec: ComponentSpec) -> WeightUpdate | None:
         """Rank 0 of a new generation of the collective (``broadcast``) group: build its sender,
         which takes over the previous one and posts its newest published version again for the
-        members to re-sync (:meth:`BroadcastTransport.take_over`); returns that update, or
-        ``None`` when nothing was published yet."""
+        members to re-sync (:meth:`~rl_weightsync.BroadcastTransport.take_over`); returns that
+        update, or ``None`` when nothing was published yet."""
         with self._sender_lock:
             new = registry.build("weight_transport", spec, field="weight_transport")
             old, self.sender = self.sender, new

@@ -617,9 +617,9 @@ class ValueLoss:
 
 
 class ValueObjective:
-    """Adapts a :class:`~rl_core.interfaces.ValueLossFn` to the :class:`LossFn` signature, so
-    a critic can reuse a policy's training loop: the per-token output the loop computes (the
-    values) goes to ``loss_fn(values, batch)``; no entropy is asked for."""
+    """Adapts a :class:`~rl_core.interfaces.ValueLossFn` to the :class:`~rl_core.interfaces.LossFn`
+    signature, so a critic can reuse a policy's training loop: the per-token output the loop
+    computes (the values) goes to ``loss_fn(values, batch)``; no entropy is asked for."""
 
     requires_entropy = False
 
