@@ -31,6 +31,7 @@ saying so, and the run's next checkpoint has a manifest.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -222,7 +223,27 @@ def match_umask(directory: Path) -> None:
             p.chmod(mode)
 
 
-def _fs_cause(e: BaseException) -> str:
+def _fs_limits(directory: Path) -> str:
+    """What the file system and the process allow in ``directory`` (free space, file-size
+    limit), for errors whose writer does not say why it failed (torch's zip writer)."""
+    import resource
+
+    notes = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        notes.append(f"this process's file-size limit (ulimit -f) is {soft} bytes")
+    d = directory
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    with contextlib.suppress(OSError):
+        st = os.statvfs(d)
+        notes.append(f"{st.f_bavail * st.f_frsize} bytes are free on {d}")
+        if st.f_flag & os.ST_RDONLY:
+            notes.append(f"{d} is on a read-only file system")
+    return "; ".join(notes)
+
+
+def _fs_cause(e: BaseException, directory: Path | None = None) -> str:
     """What went wrong writing a file, in words, with the fix."""
     if isinstance(e, OSError) and e.errno is not None:
         hints = {
@@ -235,9 +256,10 @@ def _fs_cause(e: BaseException) -> str:
         }
         hint = hints.get(e.errno, "fix the file system or change run_dir")
         return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}; {hint}"
+    found = _fs_limits(directory) if directory is not None else ""
     return (
-        f"{type(e).__name__}: {e}; check free space (df), write permission and the file-size "
-        "limit (ulimit -f) of that directory"
+        f"{type(e).__name__}: {e}; {found + '; ' if found else ''}check free space (df), write "
+        "permission and the file-size limit (ulimit -f) of that directory"
     )
 
 
@@ -292,8 +314,8 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         where = getattr(e, "filename", None) or tmp
         raise CheckpointError(
-            f"{where}: cannot write checkpoint {final.name} ({_fs_cause(e)}). Nothing of it is "
-            "kept; the newest complete checkpoint is unchanged."
+            f"{where}: cannot write checkpoint {final.name} ({_fs_cause(e, root)}). Nothing of "
+            "it is kept; the newest complete checkpoint is unchanged."
         ) from e
     done = _step_dirs(root)
     for old in done[: max(0, len(done) - keep)]:
