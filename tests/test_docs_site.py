@@ -75,6 +75,61 @@ def _public_modules(pkg: str, src: str) -> list[str]:
     return out
 
 
+def _extension():
+    """The griffe extension of mkdocs.yml, loaded from its file."""
+    pytest.importorskip("griffe", reason="the docs tools are not installed (griffe)")
+    path = ROOT / "docs" / "reference" / "_griffe_ext.py"
+    spec = importlib.util.spec_from_file_location("_griffe_ext", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extension_links_roles_and_flags_broken_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """On a small package: a role that resolves becomes an autoref to the object's full path, an
+    external one (the standard library) plain code, and one that names nothing a warning naming
+    the file and the role (what makes ``mkdocs build --strict`` fail); a lazily imported
+    ``__all__`` name becomes a package alias, and a re-exported object is documented once."""
+    import griffe
+
+    pkg = tmp_path / "pkg_a"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        '"""Package A: :class:`~pkg_a.core.Thing`, :meth:`Thing.run`, :func:`os.path.join`."""\n'
+        "from pkg_a.core import Thing\n"
+        '__all__ = ["Lazy", "Thing"]\n'
+        '_LAZY = {"Lazy": "pkg_a.lazy"}\n'
+    )
+    (pkg / "core.py").write_text(
+        '__all__ = ["Thing"]\n\n\nclass Thing:\n'
+        '    """A thing; see :func:`removed_helper` and :attr:`size`."""\n\n'
+        "    def __init__(self):\n        self.size = 1\n\n"
+        '    def run(self):\n        """Run it."""\n'
+    )
+    (pkg / "lazy.py").write_text('class Lazy:\n    """Imported on first use."""\n')
+    ext = _extension()
+    loader = griffe.GriffeLoader(
+        search_paths=[tmp_path],
+        allow_inspection=False,
+        extensions=griffe.load_extensions(ext.PublicAPI(packages=["pkg_a"])),
+    )
+    with caplog.at_level("WARNING"):
+        top = loader.load("pkg_a")
+    doc = top.docstring.value
+    assert '<autoref identifier="pkg_a.core.Thing" optional><code>Thing</code></autoref>' in doc
+    assert '<autoref identifier="pkg_a.core.Thing.run" optional>' in doc
+    assert "<code>os.path.join</code>" in doc and ":func:" not in doc
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "core.py" in warnings[0] and ":func:`removed_helper`" in warnings[0]
+    assert top.members["Lazy"].is_alias and top.members["Lazy"].target_path == "pkg_a.lazy.Lazy"
+    assert top.members["Thing"].is_public
+    assert not top.members["core"].members["Thing"].is_public
+
+
 def test_every_public_module_has_a_reference_directive():
     """Each public module is rendered: ``::: module`` on its package's reference page."""
     missing = []
