@@ -33,6 +33,12 @@ def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path, tiny_recipe_dict)
                         "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
                         "max_prompts": 3,
                         "reward": {"type": "tests_eval_reward:constant"},
+                        "every": 5,
+                    },
+                    {  # every 0 disables a set, step 0 included
+                        "name": "off",
+                        "data": {"type": "jsonl", "path": str(eval_file), "shuffle": False},
+                        "max_prompts": 1,
                         "every": 0,
                     },
                 ],
@@ -51,10 +57,12 @@ def test_eval_datasets_schedule_reward_and_pass_at_k(tmp_path, tiny_recipe_dict)
         del sys.modules["tests_eval_reward"]
     by_step = {r["step"]: r for r in records if r["phase"] == "rl" and "eval/reward_mean" in r}
     assert sorted(by_step) == [0, 1, 2]
-    # step 0: every set; step 1: only the default set (every=1); step 2 (last): default + sampled
+    # step 0: every set but "off"; step 1: only the default set (every=1); step 2 (last):
+    # default + sampled + const (every 5: step 0 and the last step)
     assert "eval/sampled/pass@4" in by_step[0] and "eval/const/reward_mean" in by_step[0]
     assert not any(k.startswith(("eval/sampled/", "eval/const/")) for k in by_step[1])
-    assert "eval/sampled/pass@1" in by_step[2] and "eval/const/reward_mean" not in by_step[2]
+    assert "eval/sampled/pass@1" in by_step[2] and "eval/const/reward_mean" in by_step[2]
+    assert not any(k.startswith("eval/off/") for r in by_step.values() for k in r)
     # the dataset's own reward, not the task's
     assert by_step[0]["eval/const/reward_mean"] == pytest.approx(0.25)
     assert by_step[0]["eval/const/accuracy"] == 0.0  # 0.25 < default threshold 1.0

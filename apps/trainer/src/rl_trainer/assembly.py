@@ -198,6 +198,8 @@ def _data_and_rewards(cfg: TrainerConfig, tokenizer: Any) -> tuple[Any, Scorer, 
         train_sampling=cfg.rollout.sampling,
         tokenizer=tokenizer,
     )
+    for s in [scorer, *(e.scorer for e in eval_sets)]:
+        s.set_timeouts(cfg.rollout.reward_timeout_s, cfg.rollout.reward_round_timeout_s)
     return train_data, scorer, eval_sets
 
 

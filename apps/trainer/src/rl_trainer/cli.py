@@ -268,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     evl.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
     )
-    evl.add_argument("--out", default=None, help="results JSON (default: CHECKPOINT/eval.json)")
+    evl.add_argument(
+        "--out",
+        default=None,
+        help="results JSON (default: RUN/eval/NAME/eval.json for CHECKPOINT RUN/NAME or "
+        "RUN/checkpoints/NAME, e.g. runs/demo/eval/final_model/eval.json; also there: "
+        "metrics.jsonl)",
+    )
     evl.set_defaults(fn=_cmd_eval)
     shw = sub.add_parser("show", help="print a run's sample traces (logging.samples_every)")
     shw.add_argument("run_dir")

@@ -138,6 +138,14 @@ class RolloutConfig:
     ``sampling.max_new_tokens``): 0 up to ``max_length - band`` response tokens, then linearly
     down to ``-coef`` at ``max_length`` (:mod:`rl_core.rewards.shaping`); logged as
     ``rollout/overlong_penalty_mean``. ``None``: off. Eval rewards are never shaped."""
+    reward_timeout_s: PositiveFloat | None = 300.0
+    """Time limit of one reward call (and of one group-reward call). A call still running
+    then is abandoned (a synchronous reward runs in a worker thread that is left behind) and
+    its rollouts fail with ``reward_timeout``; the step goes on. ``None``: no limit."""
+    reward_round_timeout_s: PositiveFloat | None = 1800.0
+    """Time limit of scoring one round (every reward call of a generation round, eval
+    included); the calls still running then fail with ``reward_timeout``. ``None``: no
+    limit."""
     max_rounds: PositiveInt = 8
     """Generation rounds per step at most when filters drop groups (then the run stops with an
     error naming the filters)."""
@@ -396,7 +404,7 @@ class EvalDatasetConfig:
     """A sample is correct when its reward is >= this; default ``eval.correct_threshold``."""
     every: int | None = None
     """Evaluate every N RL steps (and at RL step 0 and the last step); default ``eval.every``;
-    0 evaluates only at RL step 0."""
+    0 disables this set."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -48,7 +48,7 @@ class EvalSet:
     threshold: float
     """Reward at or above which a sample is correct."""
     every: int
-    """Evaluate every N RL steps (and at RL step 0 and the last step); 0: only at step 0."""
+    """Evaluate every N RL steps (and at RL step 0 and the last step); 0: never."""
 
     @property
     def prefix(self) -> str:
@@ -57,15 +57,19 @@ class EvalSet:
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether this set is evaluated after RL step ``step`` (0 = before any update)."""
+        if not self.every:  # 0 disables the set (step 0 included), as the docs say
+            return False
         if step == 0:
             return True
-        return bool(self.every) and (step % self.every == 0 or step == last_step)
+        return step % self.every == 0 or step == last_step
 
     def metrics(self, groups: Sequence[Group]) -> dict[str, float]:
         """Reward mean, accuracy, pass@k and per-component means of scored groups.
 
-        Failed rollouts score 0 and count as incorrect; a prompt whose ``generate_fn`` failed
-        (no rollouts) counts as ``n_samples`` failed samples.
+        Failed rollouts score 0 and count as incorrect (the convention of every reward mean
+        the trainer shows, ``rollout/reward_mean`` too); ``failed_fraction`` is their share. A
+        prompt whose ``generate_fn`` failed (no rollouts) counts as ``n_samples`` failed
+        samples.
         """
         summary = summarize_eval(
             [[r.reward for r in g.rollouts] or [None] * self.n_samples for g in groups],
@@ -73,6 +77,10 @@ class EvalSet:
             threshold=self.threshold,
         )
         out = {f"{self.prefix}{k}": v for k, v in summary.items()}
+        total = sum(len(g.rollouts) or self.n_samples for g in groups)
+        if total:
+            scored = sum(1 for g in groups for r in g.rollouts if r.reward is not None)
+            out[f"{self.prefix}failed_fraction"] = (total - scored) / total
         rollouts = [r for g in groups for r in g.rollouts]
         for key in sorted({k for r in rollouts for k in r.reward_info} - {"reward"}):
             values = [r.reward_info.get(key, 0.0) for r in rollouts]

@@ -47,6 +47,9 @@ class FailureReasons:
     """The reward raised."""
     REWARD_INVALID = "reward_invalid"
     """The reward returned something that is not a finite number (``None``, NaN, a string...)."""
+    REWARD_TIMEOUT = "reward_timeout"
+    """The reward did not return within ``rollout.reward_timeout_s`` (or the round's
+    ``rollout.reward_round_timeout_s``, or the run was stopping); the call is abandoned."""
     GROUP_REWARD_ERROR = "group_reward_error"
     """The group reward raised."""
     GROUP_REWARD_INVALID = "group_reward_invalid"
@@ -170,6 +173,8 @@ _HINTS = {
     "reward_error": "fix the reward where it raised",
     "reward_invalid": "make the reward return a finite number (or a mapping with a 'reward' "
     "key) on every path, e.g. 0.0 where it cannot score",
+    "reward_timeout": "make the reward return sooner (it hung or was slow), or raise "
+    "rollout.reward_timeout_s / rollout.reward_round_timeout_s",
     "group_reward_error": "fix the group reward where it raised",
     "group_reward_invalid": "make the group reward return one finite number (or mapping) per "
     "rollout, in order",

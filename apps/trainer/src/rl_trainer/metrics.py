@@ -173,6 +173,10 @@ class MetricsLogger:
                 v = record.get(key)
                 if isinstance(v, float):
                     info.append(f"{label} {v:.3f}" if abs(v) < 1000 else f"{label} {v:.0f}")
+                if key.endswith("reward_mean"):  # failures, next to the mean they count as 0 in
+                    failed = record.get(key.replace("reward_mean", "failed_fraction"))
+                    if isinstance(failed, float) and failed > 0:
+                        info.append(f"[red]failed {failed:.0%}[/red]")
             # No redraw here: the refresh thread draws the latest state.
             self._progress.update(task, completed=int(record["step"]), info="  ".join(info))
 

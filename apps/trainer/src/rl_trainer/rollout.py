@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import inspect
 import math
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from rl_core.types import (
     RolloutStatus,
     SamplingParams,
 )
+from rl_trainer.bounded import BoundedCaller, CallAbandoned
 from rl_trainer.failures import Failure, FailureReasons, check_round
 
 __all__ = [
@@ -217,8 +219,8 @@ def _short(value: Any, limit: int = 60) -> str:
 
 def _failure(reason: str, component: str, e: Exception, sample: str, fn: Any) -> Failure:
     """The cause of a failure of user code ``fn``: at the user's frame when it raised; where
-    ``fn`` is defined when it returned a wrong value (the traceback is then ours)."""
-    if isinstance(e, _InvalidResult):
+    ``fn`` is defined when it returned a wrong value or hung (the traceback is then ours)."""
+    if isinstance(e, _InvalidResult | CallAbandoned):
         return Failure(
             reason=reason,
             component=component,
@@ -417,6 +419,12 @@ class Scorer:
     label-free majority-vote reward). A group reward that raises, returns the wrong number of
     values or a non-finite value fails the rollouts it scored (``group_reward_error`` /
     ``group_reward_invalid``); it never crashes the step.
+
+    Bounds (:mod:`rl_trainer.bounded`): each call gets ``timeout_s`` from when it starts and
+    every call of one :meth:`score` ends by ``round_timeout_s``; a call past either, or still
+    running a moment after a stop signal, is abandoned and its rollouts fail with
+    ``reward_timeout``. Synchronous rewards run one at a time, in rollout order, in a worker
+    thread (so a hung one can be left behind).
     """
 
     def __init__(
@@ -428,6 +436,8 @@ class Scorer:
         group_reward_fn: GroupRewardFn | None = None,
         reward_name: str = "reward",
         group_reward_name: str = "group_reward",
+        timeout_s: float | None = None,
+        round_timeout_s: float | None = None,
     ) -> None:
         if reward_fn is None and group_reward_fn is None:
             raise RewardError("Scorer: give a reward function, a group reward function, or both.")
@@ -437,6 +447,15 @@ class Scorer:
         self.group_reward_fn = group_reward_fn
         self.reward_name = reward_name
         self.group_reward_name = group_reward_name
+        self.round_timeout_s = round_timeout_s
+        """Time limit of one :meth:`score` (``rollout.reward_round_timeout_s``)."""
+        self.caller = BoundedCaller(timeout_s)
+        """Runs the reward calls under ``timeout_s`` (``rollout.reward_timeout_s``)."""
+
+    def set_timeouts(self, timeout_s: float | None, round_timeout_s: float | None) -> None:
+        """Set the per-call and per-round time limits (seconds; ``None``: none)."""
+        self.caller.timeout_s = timeout_s
+        self.round_timeout_s = round_timeout_s
 
     def _to_scalar(self, value: Any) -> tuple[float, dict[str, float]]:
         """``(reward, components)`` of what a reward returned, or :class:`_InvalidResult`."""
@@ -465,6 +484,9 @@ class Scorer:
         rewards run after, group by group."""
         texts_of: list[dict[int, str]] = []
         calls = []
+        deadline = (
+            time.monotonic() + self.round_timeout_s if self.round_timeout_s is not None else None
+        )
         for g in groups:
             texts: dict[int, str] = {}
             for r in g.rollouts:
@@ -474,21 +496,23 @@ class Scorer:
                 text = self.tokenizer.decode(list(r.response_ids), skip_special_tokens=True)
                 texts[id(r)] = text
                 if self.reward_fn is not None:
-                    calls.append(self._score_one(g, r, text, stats))
+                    calls.append(self._score_one(g, r, text, stats, deadline))
             texts_of.append(texts)
         await asyncio.gather(*calls)
         if self.group_reward_fn is not None:
             for g, texts in zip(groups, texts_of, strict=True):
-                await self._score_group(g, texts, stats)
+                await self._score_group(g, texts, stats, deadline)
 
-    async def _score_one(self, g: Group, r: Rollout, text: str, stats: RolloutStats) -> None:
+    async def _score_one(
+        self, g: Group, r: Rollout, text: str, stats: RolloutStats, deadline: float | None
+    ) -> None:
         """Score one rollout with the reward function (failures marked and counted)."""
         assert self.reward_fn is not None
         try:
-            value = self.reward_fn(g.prompt, text, r)
-            if inspect.isawaitable(value):
-                value = await value
+            value = await self.caller.call(self.reward_fn, g.prompt, text, r, deadline=deadline)
             r.reward, r.reward_info = self._to_scalar(value)
+        except CallAbandoned as e:
+            self._fail([r], FailureReasons.REWARD_TIMEOUT, e, stats)
         except Exception as e:  # a user reward must never crash the step
             self._fail([r], FailureReasons.REWARD_ERROR, e, stats)
 
@@ -498,6 +522,8 @@ class Scorer:
         group = error_reason.startswith("group_")
         name = self.group_reward_name if group else self.reward_name
         fn = self.group_reward_fn if group else self.reward_fn
+        if isinstance(e, CallAbandoned):
+            error_reason = FailureReasons.REWARD_TIMEOUT
         # A RewardError (ours, or raised by a library reward such as `combine`) is a bad value.
         invalid = isinstance(e, RewardError)
         reason = error_reason.replace("_error", "_invalid") if invalid else error_reason
@@ -507,15 +533,21 @@ class Scorer:
             r.metadata["failure"] = f"{reason}: {failure.error}"
         stats.record(reason, len(rs), failure)
 
-    async def _score_group(self, g: Group, texts: dict[int, str], stats: RolloutStats) -> None:
+    async def _score_group(
+        self, g: Group, texts: dict[int, str], stats: RolloutStats, deadline: float | None
+    ) -> None:
         assert self.group_reward_fn is not None
         live = [r for r in g.rollouts if r.status != RolloutStatus.FAILED]
         if not live:
             return
         try:
-            values = self.group_reward_fn(g.prompt, [texts[id(r)] for r in live], live)
-            if inspect.isawaitable(values):
-                values = await values
+            values = await self.caller.call(
+                self.group_reward_fn,
+                g.prompt,
+                [texts[id(r)] for r in live],
+                live,
+                deadline=deadline,
+            )
             if not isinstance(values, Sequence) or isinstance(values, (str, Mapping)):
                 raise _InvalidResult(
                     f"returned {type(values).__name__} {_short(values)}; a group reward returns "

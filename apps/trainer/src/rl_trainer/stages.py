@@ -197,7 +197,7 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
                 unusable=stats.dropped.get("no_valid_rollout", 0),
             )
     parts.buffer.put(sampler.pop_batch())
-    record = round_metrics(scored, stats, stale, gen_tokens, gen_time)
+    record = round_metrics(scored, stats, stale, gen_tokens, gen_time, asked=stats.rollouts)
     record.update(sampler.last_step_metrics)
     record = _ordered(record, stats, stale, gen_tokens, gen_time)
     if turns_before is not None and partial is not None:  # a generate_fn's resumed turns
@@ -227,13 +227,26 @@ def round_metrics(
     stale: int,
     gen_tokens: int,
     gen_time: float,
+    *,
+    asked: int | None = None,
 ) -> dict[str, Any]:
-    """A round's reward and response metrics (``rollout/*``) over every scored rollout."""
+    """A round's reward and response metrics (``rollout/*``) over every rollout of the round.
+
+    One convention with eval (:meth:`rl_trainer.evaluation.EvalSet.metrics`): a failed rollout
+    (its reward raised, hung, returned no number, or generation failed) scores 0 in
+    ``rollout/reward_mean`` and ``rollout/reward_std``; ``rollout/failed_fraction`` is the
+    share of the ``asked`` rollouts (default: those given) that failed, and
+    ``rollout/reward_mean_scored`` the mean over the scored ones alone (what the advantages
+    see)."""
     scored = [r for r in all_scored if r.reward is not None]
     record: dict[str, Any] = {}
     rewards = [float(r.reward) for r in scored]
-    record["rollout/reward_mean"] = _mean(rewards)
-    record["rollout/reward_std"] = float(np.std(rewards)) if rewards else float("nan")
+    total = max(asked or 0, len(all_scored))
+    with_failed = rewards + [0.0] * (total - len(rewards))
+    record["rollout/reward_mean"] = _mean(with_failed)
+    record["rollout/reward_std"] = float(np.std(with_failed)) if with_failed else float("nan")
+    record["rollout/reward_mean_scored"] = _mean(rewards)
+    record["rollout/failed_fraction"] = (total - len(rewards)) / total if total else 0.0
     for key in sorted({k for r in scored for k in r.reward_info} - {"reward"}):
         record[f"rollout/{key}_mean"] = _mean(
             [r.reward_info[key] for r in scored if key in r.reward_info]

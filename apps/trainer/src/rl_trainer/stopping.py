@@ -24,10 +24,19 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StopSignals"]
+__all__ = ["StopSignals", "stop_requested"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a run cleanly."""
+
+_ACTIVE: list[StopSignals] = []
+
+
+def stop_requested() -> bool:
+    """Whether a stop signal reached an active :class:`StopSignals` (the run is stopping):
+    code that waits on user functions (the reward :class:`~rl_trainer.rollout.Scorer`) polls
+    it to give up on calls that would hold the stop back."""
+    return any(s.signum is not None for s in _ACTIVE)
 
 
 class StopSignals:
@@ -47,6 +56,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(
@@ -58,6 +68,8 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     @property
     def name(self) -> str | None:

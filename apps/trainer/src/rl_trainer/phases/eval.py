@@ -19,14 +19,17 @@ def due(run: Trainer, step: int) -> bool:
     return any(s.due(step, run.config.rl.steps) for s in run.eval_sets)
 
 
-async def evaluate(run: Trainer, step: int) -> dict[str, float]:
-    """Sample and score every eval set due at ``step``; the same prompts every time.
+async def evaluate(run: Trainer, step: int, *, every_set: bool = False) -> dict[str, float]:
+    """Sample and score every eval set due at ``step`` (every set whatever its schedule with
+    ``every_set``: ``rl-train eval``); the same prompts every time.
 
     Failed samples score 0. An eval set whose every sample failed stops the run with the
     failure report (at step 0 this is the first time the reward runs)."""
     out: dict[str, float] = {}
     for eval_set in run.eval_sets:
-        if not eval_set.prompts or not eval_set.due(step, run.config.rl.steps):
+        if not eval_set.prompts:
+            continue
+        if not every_set and not eval_set.due(step, run.config.rl.steps):
             continue
         seed_parts: tuple[Any, ...] = (run.config.seed, "eval", step)
         if eval_set.name is not None:

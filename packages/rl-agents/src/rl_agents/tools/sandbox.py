@@ -18,10 +18,30 @@ afterwards. ``res.isolation`` (and :attr:`Sandbox.isolation`) says which mechani
 
 - ``bwrap`` (`bubblewrap <https://github.com/containers/bubblewrap>`_, Debian package
   ``bubblewrap``): new user, PID, network, IPC, UTS and cgroup namespaces, the host's ``/``
-  read-only, a private empty ``/tmp``, fresh ``/proc`` and ``/dev``, the root bound writable.
-- ``namespace`` (``unshare -rnm``): new user, network and mount namespaces with every mount
-  remounted read-only except the root.
-- ``rlimits``: resource limits only, plus an audit hook for Python code (best effort).
+  read-only, a private empty ``/tmp`` (and root's parent directory), fresh ``/proc`` and
+  ``/dev``, the root bound writable.
+- ``namespace`` (``unshare -rnm --pid --fork --mount-proc``, ``setpriv``): new user, PID,
+  network and mount namespaces; a fresh ``/proc``; ``/tmp`` and the root's parent directory
+  hidden under empty mounts; every mount read-only except the root; every capability dropped
+  before the code runs (it cannot unmount what hides the host).
+- ``rlimits``: resource limits, plus an audit hook for Python code (best effort). As root, each
+  episode runs as a uid of its own (:data:`EPISODE_UIDS`); otherwise the code would run as the
+  trainer's user and the mode is refused unless ``Config.accept_weak_isolation`` is set.
+
+Edges (``tests/test_sandbox_edges.py`` proves each in every mode the machine has, with the
+trainer as root and as an unprivileged user):
+
+- *Signals*: the code cannot signal the trainer or any process outside its episode (``kill``,
+  ``os.kill``, ``pidfd_send_signal``): ``bwrap``/``namespace``: no process outside the PID
+  namespace has a pid there; ``rlimits`` as root: another uid. Weak ``rlimits``: not held.
+- *Survivors*: every process a command started ends when it exits or times out, ``setsid`` or
+  not: the PID namespace dies with its pid 1; ``rlimits`` as root kills every process of the
+  episode's uid; weak ``rlimits``: the processes carrying the run's environment mark (best
+  effort: code that clears its environment escapes).
+- *Trainer's environment*: ``/proc/<trainer>/environ`` is out of reach (a fresh ``/proc``; or
+  another uid). Weak ``rlimits``: readable.
+- *Other episodes' files*: hidden (empty ``/tmp`` and parent) in the namespace modes; ``0700``
+  roots owned by another uid in ``rlimits`` as root. Weak ``rlimits``: readable.
 
 ``isolation: auto`` picks the first that works here, in that order.
 
@@ -36,7 +56,7 @@ memory                     ``RLIMIT_AS`` = ``memory_mb`` of address space per pr
                            allocations beyond it fail (``MemoryError`` in Python). Enforced.
 processes                  ``RLIMIT_NPROC`` = ``max_processes`` tasks (a fork bomb gets EAGAIN).
                            The kernel ignores it for root, so a trainer running as root runs the
-                           code as ``nobody`` (``Config.drop_root``). Enforced; inside a user
+                           code as an episode uid (``Config.drop_root``). Enforced; inside a user
                            namespace it counts only the sandbox's own tasks.
 file size                  ``RLIMIT_FSIZE`` = ``file_size_mb`` per file, including the captured
                            stdout/stderr. Enforced.
@@ -48,7 +68,7 @@ no network                 ``bwrap``/``namespace``: an empty network namespace (
 writes only in the root    ``bwrap``/``namespace``: everything else is mounted read-only
                            (``bwrap`` also hides the host's ``/tmp``). Enforced by the kernel.
                            ``rlimits``: Python code only, by the audit hook (best effort); shell
-                           commands only by file permissions (``nobody`` when dropping root).
+                           commands only by file permissions (an episode uid when dropping root).
 no child processes         Python code run with :meth:`Sandbox.run`: the audit hook refuses
 (Python code)              ``subprocess``, ``exec*``, ``fork`` and ``ctypes`` (best effort).
                            Shell commands may start processes, up to ``max_processes``.
@@ -56,8 +76,9 @@ environment                only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and ``C
                            runs isolated (``-I``). Enforced.
 =========================  =====================================================================
 
-Reading files outside the root is not prevented (the interpreter and its libraries must be
-readable); ``bwrap`` hides ``/tmp``, where other runs' roots live by default.
+Reading world-readable files outside the root is not prevented (the interpreter and its
+libraries must be readable); the other episodes' roots are hidden (see *Edges*). The commands
+of one episode run one at a time (a command's end kills what the episode's uid still runs).
 
 The command line ``python -m rl_agents.tools --root DIR [--config JSON] -- ARGV...``
 runs one command in an existing root (an agent's shell tool), passing its output through and
@@ -71,12 +92,15 @@ import contextlib
 import functools
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -95,20 +119,48 @@ __all__ = [
 ]
 
 NOBODY = 65534
-"""The uid and gid sandboxed code runs as when the trainer is root (``Config.drop_root``)."""
+"""The uid that probes whether an unprivileged user can run the interpreter (``drop_root``)."""
 
-# Runs as root of a fresh user+mount+net namespace: keep the run directory writable (a bind
-# mount of its own), make every other mount read-only, then exec the interpreter.
+EPISODE_UIDS = range(0x60000000, 0x60000000 + (1 << 24))
+"""The uids (and gids) sandboxed code runs as when the trainer is root (``Config.drop_root``):
+each episode gets one of its own, unused by any running process, so episodes cannot signal or
+read each other (or the trainer), and the episode's processes are found by their uid."""
+
+_RUN_MARK = "RL_SANDBOX_RUN"
+_uids_taken: set[int] = set()
+_uids_lock = threading.Lock()
+
+# Runs as pid 1 and root of fresh user, PID, mount and network namespaces (``unshare --pid
+# --fork --mount-proc``: a /proc that shows only this namespace's processes). Hides the episode
+# roots' directories (/tmp and the root's parent) under empty tmpfs mounts and binds the root
+# back (through the working directory, which still holds it), makes every other mount
+# read-only, then drops every capability (so the code cannot unmount what hides the host's
+# /proc or the other roots) and runs the interpreter; it exits with its status (128 + n when
+# signal n killed it). When pid 1 exits or is killed, the kernel kills every other process of
+# the namespace, ``setsid`` or not.
 _NS_SCRIPT = r"""
 set -e
 wd="$1"; shift
-mount --bind "$wd" "$wd"
+cd "$wd"
+parent=$(dirname "$wd")
+case "$parent" in
+  /tmp|/tmp/*) mount -t tmpfs -o mode=755,size=1m none /tmp ;;
+  /) ;;
+  *) mount -t tmpfs -o mode=755,size=1m none /tmp; mount -t tmpfs -o mode=755,size=1m none "$parent" ;;
+esac
+if [ "$parent" = / ]; then
+  mount --bind "$wd" "$wd"
+else
+  mkdir -p "$wd"
+  mount --no-canonicalize --bind /proc/self/cwd "$wd"
+fi
+cd "$wd"
 awk '{print $2}' /proc/self/mounts | while read -r m; do
   m=$(printf '%b' "$m")
   [ "$m" = "$wd" ] && continue
   mount -o remount,bind,ro "$m" 2>/dev/null || true
 done
-exec "$@"
+setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- "$@" || exit $?
 """
 
 # The child's first code: limits, audit hook, then the user's program as __main__.
@@ -186,11 +238,73 @@ def _is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def _drop_root_kwargs(drop: bool) -> dict:
-    """``Popen`` arguments that run the child as ``nobody`` when we are root."""
+def _drop_root_kwargs(drop: bool, uid: int = NOBODY) -> dict:
+    """``Popen`` arguments that run the child as ``uid`` when we are root."""
     if drop and _is_root():
-        return {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+        return {"user": uid, "group": uid, "extra_groups": []}
     return {}
+
+
+def _uid_in_use(uid: int) -> bool:
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _new_episode_uid() -> int:
+    """A uid from :data:`EPISODE_UIDS` that no running process and no other episode of this
+    process uses."""
+    rng = random.SystemRandom()
+    with _uids_lock:
+        while True:
+            uid = rng.choice(EPISODE_UIDS)
+            if uid not in _uids_taken and not _uid_in_use(uid):
+                _uids_taken.add(uid)
+                return uid
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (``kill -KILL -1`` run as ``uid`` reaches exactly the
+    processes that uid owns, however they detached: ``setsid``, double forks)."""
+    kill = shutil.which("kill", path="/usr/bin:/bin") or "kill"
+    for _ in range(20):
+        if not _uid_in_use(uid):
+            return
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(
+                [kill, "-KILL", "-1"],
+                capture_output=True,
+                timeout=10,
+                **_drop_root_kwargs(True, uid),
+            )
+        time.sleep(0.05)
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL this user's processes whose environment holds ``RL_SANDBOX_RUN=mark`` (best
+    effort: code that clears its environment escapes this)."""
+    needle = f"{_RUN_MARK}={mark}".encode()
+    me, quiet = os.getpid(), 0
+    for _ in range(50):  # until two passes find none (a process mid-exec shows no environ)
+        found = False
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        os.kill(int(pid), signal.SIGKILL)
+                        found = True
+            except OSError:
+                pass
+        quiet = 0 if found else quiet + 1
+        if quiet >= 2:
+            return
+        time.sleep(0.02)
 
 
 @functools.cache
@@ -219,16 +333,22 @@ def _interpreter(python: str, drop: bool) -> tuple[str, bool]:
     return python, False
 
 
+def _unshare_argv(exe: str) -> list[str]:
+    return [exe, "-rnm", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation",
+            "private"]  # fmt: skip
+
+
 @functools.cache
 def namespaces_available(drop_root: bool = True) -> bool:
-    """True when ``unshare -rnm`` works here (unprivileged user, network and mount
-    namespaces): the ``namespace`` isolation mode can run."""
+    """True when ``unshare -rnm --pid --fork --mount-proc`` and ``setpriv`` work here
+    (unprivileged user, network, mount and PID namespaces): the ``namespace`` isolation mode
+    can run."""
     exe = shutil.which("unshare")
-    if exe is None or not sys.platform.startswith("linux"):
+    if exe is None or shutil.which("setpriv") is None or not sys.platform.startswith("linux"):
         return False
     try:
         proc = subprocess.run(
-            [exe, "-rnm", "--propagation", "private", "true"],
+            [*_unshare_argv(exe), "setpriv", "--bounding-set=-all", "--", "true"],
             capture_output=True,
             timeout=10,
             **_drop_root_kwargs(drop_root),
@@ -317,8 +437,15 @@ class Sandbox:
         """``bwrap`` (bubblewrap), ``namespace`` (``unshare``), ``rlimits`` (limits and the audit
         hook only), or ``auto``: the first of these that works here."""
         drop_root: bool = True
-        """When the trainer runs as root, run the code as ``nobody`` (the kernel does not apply
-        the process limit to root)."""
+        """When the trainer runs as root, run each episode's code as a uid of its own from
+        :data:`EPISODE_UIDS` (the kernel does not apply the process limit to root, and a uid
+        of its own keeps the code away from the trainer's and other episodes' processes and
+        files)."""
+        accept_weak_isolation: bool = False
+        """Let the ``rlimits`` mode run where it cannot keep the code from signalling the
+        trainer, reading its environment (``/proc/<pid>/environ``) and other episodes' files
+        (the trainer is not root, so the code runs as the trainer's own user; or ``drop_root``
+        is off). Off: such a sandbox is refused with a ConfigError."""
         python: str = field(default_factory=lambda: sys.executable)
         """The interpreter that runs Python code (and the launcher of shell commands)."""
         env: dict[str, str] = field(default_factory=dict)
@@ -357,11 +484,31 @@ class Sandbox:
             )  # fmt: skip
         self.isolation: str = mode
         """The mode runs use: ``bwrap``, ``namespace`` or ``rlimits``."""
-        self.python, self.drops_root = _interpreter(self.config.python, drop)
-        """The interpreter runs use, and whether they run as ``nobody`` (see
+        self.python, drops = _interpreter(self.config.python, drop)
+        self.drops_root: bool = drops and _is_root()
+        """The interpreter runs use, and whether they run as an episode uid of their own (see
         ``Config.drop_root``: as root, a ``python`` that ``nobody`` cannot run is replaced by
         the system's ``python3``; without one, runs stay root and the process limit is not
         enforced)."""
+        self.strong: bool = mode != "rlimits" or self.drops_root
+        """The code cannot signal the trainer, read its environment or other episodes' files,
+        and no process of it outlives its command: a namespace mode, or ``rlimits`` with a uid
+        of its own per episode."""
+        if not self.strong and not self.config.accept_weak_isolation:
+            why = (
+                "the trainer is not root (so the code would run as the trainer's own user)"
+                if not _is_root()
+                else "drop_root is off" if not drop
+                else "no Python here is runnable by an unprivileged user"
+            )  # fmt: skip
+            raise ConfigError(
+                f"sandbox.isolation: the 'rlimits' mode cannot isolate the code here: {why}, so "
+                "it could signal or kill the trainer, read the trainer's environment through "
+                "/proc and other episodes' files. Make user namespaces available (the "
+                "'namespace' mode: `unshare -rnm --pid --fork --mount-proc true` must work) or "
+                "install bubblewrap, run the trainer as root (each episode then runs as a uid "
+                "of its own), or accept this explicitly with sandbox.accept_weak_isolation: true."
+            )
 
     # ------------------------------------------------------------------------------ public
     def run(
@@ -394,9 +541,20 @@ class Sandbox:
 
     # ------------------------------------------------------------------------------ launch
     def launch(
-        self, root: Path, *, code_file: str | None = None, argv: Sequence[str] = (), stdin: str = ""
+        self,
+        root: Path,
+        *,
+        code_file: str | None = None,
+        argv: Sequence[str] = (),
+        stdin: str = "",
+        uid: int | None = None,
     ) -> SandboxResult:
-        """Run ``code_file`` (Python, audit hook on) or ``argv`` (a command) in ``root``."""
+        """Run ``code_file`` (Python, audit hook on) or ``argv`` (a command) in ``root``, as
+        ``uid`` when the sandbox drops root (an :class:`Episode`'s own; ``None``: a fresh one).
+        Every process the command started is killed when it ends or times out."""
+        if uid is None and self.drops_root:
+            uid = _new_episode_uid()
+            _give_away(root, uid)
         c = self.config
         mib = 1024 * 1024
         limits = [
@@ -419,12 +577,15 @@ class Sandbox:
         }
         inner = [self.python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
         if mode == "bwrap":
+            parent = os.path.dirname(wd)
+            hide = ["--tmpfs", parent] if parent not in ("/", "/tmp") else []
             argv_ = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev",
-                     "--proc", "/proc", "--tmpfs", "/tmp", "--bind", wd, wd, "--unshare-all",
-                     "--die-with-parent", "--chdir", wd, "--", *inner]  # fmt: skip
+                     "--proc", "/proc", "--tmpfs", "/tmp", *hide, "--bind", wd, wd,
+                     "--unshare-all", "--die-with-parent", "--chdir", wd, "--",
+                     *inner]  # fmt: skip
         elif mode == "namespace":
             unshare = shutil.which("unshare") or "unshare"
-            argv_ = [unshare, "-rnm", "--propagation", "private", "sh", "-c", _NS_SCRIPT, "sh"]
+            argv_ = [*_unshare_argv(unshare), "sh", "-c", _NS_SCRIPT, "sh"]
             argv_ += [wd, *inner]
         else:
             argv_ = inner
@@ -436,6 +597,9 @@ class Sandbox:
             "PYTHONDONTWRITEBYTECODE": "1",
             **c.env,
         }
+        mark = uuid.uuid4().hex
+        if mode == "rlimits" and not self.drops_root:
+            env[_RUN_MARK] = mark
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             t0 = time.monotonic()
             proc = subprocess.Popen(
@@ -446,7 +610,7 @@ class Sandbox:
                 cwd=wd,
                 env=env,
                 start_new_session=True,
-                **_drop_root_kwargs(self.drops_root),
+                **_drop_root_kwargs(self.drops_root, NOBODY if uid is None else uid),
             )
             timed_out = False
             try:
@@ -457,12 +621,18 @@ class Sandbox:
                 proc.wait()
             finally:
                 _kill_group(proc.pid)  # children the code left behind
+                # ... and those that left the group (setsid): the namespace modes' PID
+                # namespace died with its pid 1; here, by uid, or by the run's mark.
+                if mode == "rlimits" and self.drops_root and uid is not None:
+                    _kill_uid(uid)
+                elif mode == "rlimits":
+                    _kill_marked(mark)
             duration = time.monotonic() - t0
             stdout, t1 = _read(out, c.max_output_bytes)
             stderr, t2 = _read(err, c.max_output_bytes)
         rc = proc.returncode
-        if mode == "bwrap" and rc is not None and rc > 128:
-            # bwrap's init exits 128 + n when the command died of signal n.
+        if mode in ("bwrap", "namespace") and rc is not None and rc > 128:
+            # bwrap's init (our pid 1 shell) exits 128 + n when the command died of signal n.
             with contextlib.suppress(ValueError):
                 rc = -signal.Signals(rc - 128).value
         sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
@@ -490,7 +660,12 @@ class Episode:
         self.root = Path(root or tempfile.mkdtemp(prefix="rl-sandbox-")).resolve()
         """The episode's directory (working directory, ``HOME`` and ``TMPDIR`` of its runs)."""
         self._runs = 0
-        _give_away(self.root, sandbox.drops_root)
+        self.uid: int | None = _new_episode_uid() if sandbox.drops_root else None
+        """The uid the episode's code runs as (its own, from :data:`EPISODE_UIDS`), or ``None``
+        when it runs as the trainer's user (see ``Sandbox.Config.drop_root``)."""
+        if self._owned:
+            self.root.chmod(0o700)
+        _give_away(self.root, self.uid)
 
     def path(self, name: str) -> Path:
         """``root / name`` for a relative path inside the root; DataError otherwise."""
@@ -504,7 +679,7 @@ class Episode:
         dest = self.path(name)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(content.encode() if isinstance(content, str) else content)
-        _give_away(self.root, self.sandbox.drops_root)
+        _give_away(self.root, self.uid)
         return dest
 
     def read_file(self, name: str) -> str | None:
@@ -518,7 +693,7 @@ class Episode:
         name = f".sandbox_main_{self._runs}.py"
         self.write_file(name, code)
         try:
-            return self.sandbox.launch(self.root, code_file=name, stdin=stdin)
+            return self.sandbox.launch(self.root, code_file=name, stdin=stdin, uid=self.uid)
         finally:
             with contextlib.suppress(OSError):
                 (self.root / name).unlink()
@@ -527,26 +702,31 @@ class Episode:
         """Run a command (``argv``) in the root."""
         if not argv:
             raise DataError("sandbox exec: empty command.")
-        return self.sandbox.launch(self.root, argv=argv, stdin=stdin)
+        return self.sandbox.launch(self.root, argv=argv, stdin=stdin, uid=self.uid)
 
     def shell(self, command: str, *, stdin: str = "") -> SandboxResult:
         """Run a shell command (``sh -c``) in the root (a shell tool)."""
         return self.exec(["sh", "-c", command], stdin=stdin)
 
     def close(self) -> None:
-        """Delete the root (when the episode made it)."""
+        """Kill what is left of the episode's processes; delete the root (when the episode
+        made it)."""
+        if self.uid is not None:
+            _kill_uid(self.uid)
+            with _uids_lock:
+                _uids_taken.discard(self.uid)
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _give_away(root: Path, drop: bool) -> None:
-    """Make the root the code's own when it runs as ``nobody``."""
-    if not (drop and _is_root()):
+def _give_away(root: Path, uid: int | None) -> None:
+    """Make the root the code's own when it runs as ``uid`` (an episode's own)."""
+    if uid is None or not _is_root():
         return
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
             with contextlib.suppress(OSError):
-                os.chown(name, NOBODY, NOBODY, follow_symlinks=False)
+                os.chown(name, uid, uid, follow_symlinks=False)
 
 
 def _kill_group(pgid: int) -> None:
