@@ -91,14 +91,16 @@ def test_extension_links_roles_and_flags_broken_ones(
 ):
     """On a small package: a role that resolves becomes an autoref to the object's full path, an
     external one (the standard library) plain code, and one that names nothing a warning naming
-    the file and the role (what makes ``mkdocs build --strict`` fail); a lazily imported
-    ``__all__`` name becomes a package alias, and a re-exported object is documented once."""
+    the file and the role (what makes ``mkdocs build --strict`` fail); reST's ``text::`` literal
+    marker becomes ``text:``; a lazily imported ``__all__`` name becomes a package alias, and a
+    re-exported object is documented once."""
     import griffe
 
     pkg = tmp_path / "pkg_a"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(
-        '"""Package A: :class:`~pkg_a.core.Thing`, :meth:`Thing.run`, :func:`os.path.join`."""\n'
+        '"""Package A: :class:`~pkg_a.core.Thing`, :meth:`Thing.run`, :func:`os.path.join`.\n\n'
+        'Use it::\n\n    Thing().run()\n"""\n'
         "from pkg_a.core import Thing\n"
         '__all__ = ["Lazy", "Thing"]\n'
         '_LAZY = {"Lazy": "pkg_a.lazy"}\n'
@@ -122,6 +124,7 @@ def test_extension_links_roles_and_flags_broken_ones(
     assert '<autoref identifier="pkg_a.core.Thing" optional><code>Thing</code></autoref>' in doc
     assert '<autoref identifier="pkg_a.core.Thing.run" optional>' in doc
     assert "<code>os.path.join</code>" in doc and ":func:" not in doc
+    assert "Use it:\n\n    Thing().run()" in doc  # reST's literal marker "::" dropped
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert "core.py" in warnings[0] and ":func:`removed_helper`" in warnings[0]

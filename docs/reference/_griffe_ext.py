@@ -11,7 +11,8 @@ show the public API once, with working links:
   defining module's section (``rl_buffer.balance``), which lists the rest of that module.
 - Sphinx roles in docstrings (``:class:`~rl_core.interfaces.Generator```, ``:meth:`generate```)
   become links to the rendered object when the name resolves, and inline code otherwise
-  (mkdocstrings renders Markdown, where the roles would show as literal text).
+  (mkdocstrings renders Markdown, where the roles would show as literal text); reST's ``::``
+  literal-block marker is dropped (the indented block renders as code).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ _ROLE = re.compile(
     r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const|ref):`(?P<tilde>~?)"
     r"(?P<text>[^`<]*?)(?:\s*<(?P<target>[^>`]+)>)?`"
 )
+
+
+# reST's literal-block marker before an indented block: "text::" shows as "text:", a "::" line
+# goes (Markdown renders the indented block as code by itself).
+_LITERAL_END = re.compile(r"(?m)^(.*\S)::\n(?=\n[ \t]+\S)")
+_LITERAL_ALONE = re.compile(r"(?m)^[ \t]*::\n(?=\n[ \t]+\S)")
 
 
 def _lazy_exports(module: griffe.Module) -> dict[str, str]:
@@ -141,7 +148,8 @@ def _rewrite_roles(obj: griffe.Object, packages: list[str], seen: set[str]) -> N
         return
     seen.add(obj.path)
     if obj.docstring is not None:
-        obj.docstring.value = _ROLE.sub(lambda m: _role_html(obj, m, packages), obj.docstring.value)
+        text = _ROLE.sub(lambda m: _role_html(obj, m, packages), obj.docstring.value)
+        obj.docstring.value = _LITERAL_ALONE.sub("", _LITERAL_END.sub(r"\1:\n", text))
     for member in obj.members.values():
         if not member.is_alias:
             _rewrite_roles(member, packages, seen)  # type: ignore[arg-type]
