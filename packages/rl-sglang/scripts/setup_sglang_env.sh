@@ -8,6 +8,9 @@
 #   sglang-0.5.23/.rl-sglang-complete   written last, after a successful install and import check
 #   cudastub/libcuda.so.1       built from src/rl_sglang/cudastub.c with the system gcc
 #   install.log                 pip output of the last install
+# Versions: every package of the venv is installed at the version recorded in
+# sglang-constraints.txt beside this script (a fresh machine gets what CI tested); `make
+# sglang-lock` re-resolves and records them on purpose (RL_SGLANG_UNLOCKED=1 skips the file).
 # Environment: RL_SGLANG_HOME (cache root), RL_SGLANG_BASE_PYTHON (interpreter for the venv).
 set -euo pipefail
 
@@ -20,6 +23,8 @@ STUB_DIR="$HOME_DIR/cudastub"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STUB_SRC="$HERE/../src/rl_sglang/cudastub.c"
 LOG="$HOME_DIR/install.log"
+CONSTRAINTS=(-c "$HERE/sglang-constraints.txt")
+[[ "${RL_SGLANG_UNLOCKED:-0}" == 1 ]] && CONSTRAINTS=()
 
 mkdir -p "$HOME_DIR" "$STUB_DIR"
 exec 9>"$HOME_DIR/.setup.lock"
@@ -43,8 +48,8 @@ BASE_PY="${RL_SGLANG_BASE_PYTHON:-$(command -v python3.11 || command -v python3)
 echo "setup_sglang_env: installing sglang==$SGLANG_VERSION into $VENV (about 15 min, 11 GB; log: $LOG)" >&2
 {
   [[ -x "$VENV/bin/python" ]] || "$BASE_PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "sglang==$SGLANG_VERSION" "sglang-router==$ROUTER_VERSION"
+  "$VENV/bin/python" -m pip install -q --upgrade pip==26.3
+  "$VENV/bin/python" -m pip install -q "${CONSTRAINTS[@]}" "sglang==$SGLANG_VERSION" "sglang-router==$ROUTER_VERSION"
   # Import check of the packages the generator launches.
   LD_LIBRARY_PATH="$STUB_DIR" SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "import sglang, sglang_router"
 } >"$LOG" 2>&1 || {
