@@ -45,6 +45,14 @@ KNOWN = {
 _TOOLS = ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python", "material")
 
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found without importing it; a missing parent too)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _static_all(init: Path) -> list[str]:
     """The names of ``__all__`` in ``init``, read without importing it."""
     for node in ast.parse(init.read_text(encoding="utf-8")).body:
@@ -150,7 +158,7 @@ def test_every_public_module_has_a_reference_directive():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site built by ``mkdocs build --strict`` from the checkout (once for this module)."""
-    absent = [name for name in _TOOLS if importlib.util.find_spec(name) is None]
+    absent = [name for name in _TOOLS if not _installed(name)]
     if absent:
         pytest.skip(
             f"the docs tools are not installed ({', '.join(absent)}): "
