@@ -139,7 +139,12 @@ def build_callable(kind: str, spec: ComponentSpec, protocol: type, *, field: str
     ``spec`` and check now that it can be called the way the trainer calls ``protocol``
     (:func:`rl_core.registry.check_callable`), so a wrong signature fails at start-up."""
     fn = registry.build(kind, spec, field=field)
-    return registry.check_callable(fn, protocol, field=field, ref=spec.type)
+    fn = registry.check_callable(fn, protocol, field=field, ref=spec.type)
+    if kind == "generate_fn":  # it must be awaitable (rl_trainer.rollout.check_generate_fn)
+        from rl_trainer.rollout import check_generate_fn
+
+        check_generate_fn(fn, field=field, ref=spec.type)
+    return fn
 
 
 def component_name(field: str, spec: ComponentSpec | None) -> str:

@@ -11,7 +11,11 @@ It does what the trainer does up to the first generation, and stops there:
    will see it, chat template and special tokens included;
 5. scores, with the reward of each set and the trainer's own :class:`~rl_trainer.rollout.Scorer`,
    two dummy responses (an empty one and a wrong answer) and the label answer (``str(label)``,
-   the text the SFT warm-up trains toward).
+   the text the SFT warm-up trains toward);
+6. with a ``rollout.generate_fn``, calls it once on a train prompt with a generator that ends
+   every request at once (EOS): a function that raises or returns an empty list or something
+   other than a list of ``Rollout`` is a problem now, not at the first round (a plain, not
+   ``async``, function is refused when it is built, in ``check`` and ``run`` alike).
 
 Each finding is a *problem* (the run would fail or train on garbage: exit status 1) or a
 *warning* (worth a look, exit status 0; ``--strict`` makes warnings fail too):
@@ -44,7 +48,15 @@ from rl_core import registry
 from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import RLError
 from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
-from rl_core.types import Group, Prompt, Rollout, RolloutStatus
+from rl_core.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    Group,
+    Prompt,
+    Rollout,
+    RolloutStatus,
+)
 from rl_trainer.build import (
     BACKENDS,
     backend_spec,
@@ -387,6 +399,8 @@ def _sample(
                 f"{cfg.sft.steps}: the warm-up trains on the labels. Add a label to every row "
                 "(label_key) or set sft.steps: 0.",
             )
+    if target.set_name == "train" and cfg.rollout.generate_fn is not None and prompts:
+        _probe_generate_fn(report, cfg, tokenizer, prompts[0])
     recorder = _Recorder(target.reward) if target.reward is not None else None
     scorer = Scorer(recorder, tokenizer) if recorder is not None else None
     failures: list[str] = []
@@ -460,6 +474,85 @@ def check_recipe(
         for target in _targets(report, cfg, Path(tmp)):
             _sample(report, cfg, target, tokenizer, rows)
     return report
+
+
+class _ProbeGenerator:
+    """The generator of :func:`_probe_generate_fn`: every request ends at once with the EOS
+    token (no model is built by ``check``)."""
+
+    supports_abort = False
+    supports_pause = False
+
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+        self.weight_version = 0
+        self.calls = 0
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self.calls += len(requests)
+        return [
+            GenerationResult(
+                request_id=r.request_id,
+                output_ids=(self.eos,),
+                output_logprobs=(0.0,),
+                finish_reason=FinishReason.STOP,
+                weight_version=0,
+            )
+            for r in requests
+        ]
+
+
+PROBE_TIMEOUT_S = 60.0
+"""How long ``check`` waits for the rollout function's dry call."""
+
+
+def _probe_generate_fn(report: CheckReport, cfg: TrainerConfig, tokenizer: Any, p: Prompt) -> None:
+    """Call ``rollout.generate_fn`` once on ``p`` with a generator that answers EOS at once, as
+    the trainer calls it: a function that raises, returns nothing or not a list of
+    ``Rollout`` is a problem now rather than at the first round."""
+    from rl_trainer.rollout import generate_groups
+
+    ok, fn = _attempt(
+        report,
+        "rollout.generate_fn",
+        lambda: build_callable(
+            "generate_fn", cfg.rollout.generate_fn, GenerateFn, field="rollout.generate_fn"
+        ),
+    )
+    if not ok:
+        return
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+    async def call() -> Any:
+        return await asyncio.wait_for(
+            generate_groups(
+                [p],
+                generator=_ProbeGenerator(int(eos)),  # type: ignore[arg-type]
+                tokenizer=tokenizer,
+                sampling=cfg.rollout.sampling.to_params(),
+                n_samples=cfg.rollout.n_samples,
+                seed_parts=(cfg.seed, "check"),
+                policy_version=0,
+                generate_fn=fn,
+                generate_fn_name=f"rollout.generate_fn (type {cfg.rollout.generate_fn.type!r})",
+            ),
+            PROBE_TIMEOUT_S,
+        )
+
+    try:
+        asyncio.run(call())
+    except TimeoutError:
+        report.warning(
+            "rollout.generate_fn",
+            f"a dry call on prompt {p.uid} (every generation answered with EOS) did not return "
+            f"within {PROBE_TIMEOUT_S:g} s; check that it does not wait on something a real "
+            "run would not give it.",
+        )
+    except RLError as e:
+        report.problem(
+            "rollout.generate_fn",
+            f"a dry call on prompt {p.uid} (every generation answered with EOS) failed: {e}",
+        )
 
 
 def _fmt(value: float | None) -> str:

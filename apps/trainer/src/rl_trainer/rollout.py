@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rl_buffer.partial import continue_rollout, resume_request
-from rl_core.errors import RewardError, RLError
+from rl_core.errors import ConfigError, RewardError, RLError
 from rl_core.interfaces import (
     Buffer,
     GenerateFn,
@@ -42,7 +42,7 @@ from rl_core.types import (
     RolloutStatus,
     SamplingParams,
 )
-from rl_trainer.bounded import BoundedCaller, CallAbandoned
+from rl_trainer.bounded import BoundedCaller, CallAbandoned, is_async
 from rl_trainer.failures import Failure, FailureReasons, check_round
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "RolloutStats",
     "Scorer",
     "WeightUpdates",
+    "check_generate_fn",
     "derive_seed",
     "filter_groups",
     "generate_groups",
@@ -197,11 +198,30 @@ class _InvalidResult(RewardError):
     """User code returned a value of the wrong kind (the message says what and what is expected)."""
 
 
+def check_generate_fn(fn: Any, *, field: str, ref: str) -> None:
+    """Refuse, at load, a ``generate_fn`` the trainer cannot await: the rollout calls
+    ``ctx.generate`` (a coroutine), so it must be an ``async def`` function or an object with
+    ``async def __call__``; a :class:`~rl_core.errors.ConfigError` names ``field`` and ``ref``."""
+    if is_async(fn):
+        return
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    raise ConfigError(
+        f"{field}: {ref!r} is not async ({name} is a plain function); the trainer awaits one "
+        "call per prompt and the rollout awaits ctx.generate(...). Define it as "
+        f"`async def {name}(prompt, ctx)` (or a class with `async def __call__`)."
+    )
+
+
 def _check_rollouts(out: Any) -> list[Rollout]:
     """``out`` as a list of rollouts, or :class:`_InvalidResult` saying what it was."""
     if isinstance(out, Rollout) or not isinstance(out, Sequence) or isinstance(out, str):
         raise _InvalidResult(
             f"returned {type(out).__name__} {_short(out)}; a GenerateFn returns a list of Rollout"
+        )
+    if not out:
+        raise _InvalidResult(
+            "returned an empty list; a GenerateFn returns the prompt's rollouts (ctx.n_samples "
+            "of them for a GRPO group)"
         )
     bad = [x for x in out if not isinstance(x, Rollout)]
     if bad:

@@ -22,8 +22,9 @@ The trainer wires them::
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -445,7 +446,9 @@ class RolloutContext:
     tokenizer: Tokenizer
     """The policy's tokenizer (for tool/observation text; never re-encode sampled tokens)."""
     sampling: SamplingParams
-    """Default sampling settings for this run and phase (train or eval)."""
+    """Default sampling settings for this run and phase (train or eval). Its ``seed`` is the
+    prompt's: :meth:`generate` turns it into one seed per ``request_id``, so the samples of a
+    group differ even when every call passes ``ctx.sampling`` (or a copy of it)."""
     n_samples: int
     """Rollouts wanted for the prompt (GRPO group size)."""
     policy_version: int
@@ -463,16 +466,32 @@ class RolloutContext:
         self, input_ids: Sequence[int], sampling: SamplingParams | None = None, *, request_id: str
     ) -> GenerationResult:
         """Sample one continuation of ``input_ids`` (with the routing when
-        :attr:`return_routing`)."""
+        :attr:`return_routing`).
+
+        When ``sampling`` carries the prompt's seed (``ctx.sampling``, or a copy with other
+        fields changed, e.g. ``TrajectoryBuilder.clamp``), the request samples with a seed of
+        its own derived from it and ``request_id`` (:func:`request_seed`): distinct request ids
+        (one per sample and turn) sample differently, reproducibly. A ``sampling`` with another
+        seed (or ``None``) is used as given."""
+        params = sampling or self.sampling
+        if params.seed is not None and params.seed == self.sampling.seed:
+            params = replace(params, seed=request_seed(params.seed, request_id))
         req = GenerationRequest(
             request_id=request_id,
             input_ids=tuple(input_ids),
-            sampling=sampling or self.sampling,
+            sampling=params,
             return_routing=self.return_routing,
             adapter=self.adapter,
         )
         (result,) = await self.generator.generate([req])
         return result
+
+
+def request_seed(seed: int, request_id: str) -> int:
+    """A stable 31-bit sampling seed for request ``request_id`` of a prompt seeded ``seed``
+    (what :meth:`RolloutContext.generate` uses)."""
+    h = hashlib.blake2b(f"{seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
 @runtime_checkable
