@@ -156,12 +156,12 @@ def test_agent_server_trains_on_the_served_ids_where_re_encoding_differs(
                         {"role": "system", "content": "Answer in French."},
                         {"role": "user", "content": "Write a word in French."},
                     ]
-                    r1 = await client.chat.completions.create(model="p", messages=conv)
+                    r1 = await client.chat.completions.create(model="policy", messages=conv)
                     conv += [
                         {"role": "assistant", "content": r1.choices[0].message.content or ""},
                         {"role": "user", "content": "Another one."},
                     ]
-                    await client.chat.completions.create(model="p", messages=conv)
+                    await client.chat.completions.create(model="policy", messages=conv)
                 rollouts = server.finish_session(sid, prompt_uid="p", prompt_ids=[1])
                 out.append((conv, rollouts))
         finally:

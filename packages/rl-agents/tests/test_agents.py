@@ -156,7 +156,7 @@ def test_non_streaming_records_exact_ids_and_logprobs(hf_gen, tok):
         models = await client("s1").models.list()
         server.open_session("s1", sampling=SAMPLING)
         resp = await client("s1").chat.completions.create(
-            model="anything", messages=messages, max_tokens=8, logprobs=True
+            model="policy", messages=messages, max_tokens=8, logprobs=True
         )
         return models, resp, server.finish_session("s1", prompt_uid="p", prompt_ids=[1, 2])
 
@@ -236,7 +236,7 @@ def test_tool_call_round_trip_merges_into_one_rollout(tok):
     async def body(server, client):
         server.open_session("t", sampling=SAMPLING)
         c = client("t")
-        first = await c.chat.completions.create(model="p", messages=messages, tools=tools)
+        first = await c.chat.completions.create(model="policy", messages=messages, tools=tools)
         msg = first.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))
         tc = msg.tool_calls[0]
@@ -245,7 +245,7 @@ def test_tool_call_round_trip_merges_into_one_rollout(tok):
             {"role": "tool", "tool_call_id": tc.id, "content": str(args["a"] + args["b"])}
         )
         second = await c.chat.completions.create(
-            model="p", messages=messages, tools=tools, stream=True
+            model="policy", messages=messages, tools=tools, stream=True
         )
         chunks = [x async for x in second]
         return first, chunks, server.finish_session("t", prompt_uid="q", prompt_ids=[1])
@@ -286,14 +286,14 @@ def test_merge_and_fork_with_non_identity_round_trip(hf_gen, tok):
         server.open_session("m", sampling=sampling)
         c = client("m")
         conv = [{"role": "user", "content": "Tell me something."}]
-        r1 = await c.chat.completions.create(model="p", messages=conv)
+        r1 = await c.chat.completions.create(model="policy", messages=conv)
         conv += [
             {"role": "assistant", "content": r1.choices[0].message.content},
             {"role": "user", "content": "More."},
         ]
-        await c.chat.completions.create(model="p", messages=conv)
+        await c.chat.completions.create(model="policy", messages=conv)
         other = [{"role": "system", "content": "Sub-agent."}, {"role": "user", "content": "Go"}]
-        await c.chat.completions.create(model="p", messages=other)
+        await c.chat.completions.create(model="policy", messages=other)
         return server.finish_session("m", prompt_uid="p", prompt_ids=[1])
 
     rollouts = _serve(rec, tok, body)
@@ -318,26 +318,26 @@ def test_session_errors(hf_gen, tok):
     async def body(server, client):
         with pytest.raises(openai.AuthenticationError):
             await client("nope").chat.completions.create(
-                model="p", messages=[{"role": "user", "content": "x"}]
+                model="policy", messages=[{"role": "user", "content": "x"}]
             )
         server.open_session("e", sampling=SAMPLING)
         with pytest.raises(openai.BadRequestError, match="stop"):
             await client("e").chat.completions.create(
-                model="p", messages=[{"role": "user", "content": "x"}], stop=["\n"]
+                model="policy", messages=[{"role": "user", "content": "x"}], stop=["\n"]
             )
         with pytest.raises(openai.BadRequestError, match="messages"):
-            await client("e").chat.completions.create(model="p", messages=[])
+            await client("e").chat.completions.create(model="policy", messages=[])
         await client("e").chat.completions.create(
-            model="p", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=2
         )
         with pytest.raises(openai.BadRequestError, match="max_turns"):
             await client("e").chat.completions.create(
-                model="p", messages=[{"role": "user", "content": "y"}], max_tokens=2
+                model="policy", messages=[{"role": "user", "content": "y"}], max_tokens=2
             )
         server.finish_session("e", prompt_uid="p", prompt_ids=[1])
         with pytest.raises(openai.NotFoundError):
             await client("e").chat.completions.create(
-                model="p", messages=[{"role": "user", "content": "x"}]
+                model="policy", messages=[{"role": "user", "content": "x"}]
             )
 
     _serve(hf_gen, tok, body, max_turns=1)
@@ -467,7 +467,7 @@ def test_agent_rollout_with_subprocess(hf_gen, tok, tmp_path: Path):
             task = json.loads(sys.stdin.read())
             assert task == json.loads(os.environ["RL_TASK"])
             client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from env
-            r = client.chat.completions.create(model="p", messages=task["input"], max_tokens=5)
+            r = client.chat.completions.create(model="policy", messages=task["input"], max_tokens=5)
             print("log line")
             print(json.dumps({"reward": 0.5 if task["label"] == "x" else 0.0}))
             """
@@ -513,11 +513,11 @@ def test_session_rollouts_carry_the_engines_routing_for_every_token(tmp_path, to
         server.open_session("moe", sampling=SAMPLING, return_routing=True)
         server.open_session("dense", sampling=SAMPLING)
         c = client("moe")
-        first = await c.chat.completions.create(model="p", messages=messages)
+        first = await c.chat.completions.create(model="policy", messages=messages)
         messages.append({"role": "assistant", "content": first.choices[0].message.content})
         messages.append({"role": "user", "content": "more"})
-        await c.chat.completions.create(model="p", messages=messages)
-        await client("dense").chat.completions.create(model="p", messages=messages[:1])
+        await c.chat.completions.create(model="policy", messages=messages)
+        await client("dense").chat.completions.create(model="policy", messages=messages[:1])
         moe = server.finish_session("moe", prompt_uid="q", prompt_ids=[1])
         dense = server.finish_session("dense", prompt_uid="q", prompt_ids=[1])
         return moe, dense

@@ -167,10 +167,10 @@ def test_anthropic_records_exact_ids_and_streaming_matches(hf_gen, tok):
         server.open_session("a", sampling=SAMPLING)
         server.open_session("b", sampling=SAMPLING)  # same seed: the same sample
         full = await an("a").messages.create(
-            model="claude-x", max_tokens=20, system=system, messages=user
+            model="policy", max_tokens=20, system=system, messages=user
         )
         async with an("b").messages.stream(
-            model="claude-x", max_tokens=20, system=system, messages=user
+            model="policy", max_tokens=20, system=system, messages=user
         ) as stream:
             events = [e.type async for e in stream]
             streamed = await stream.get_final_message()
@@ -184,7 +184,7 @@ def test_anthropic_records_exact_ids_and_streaming_matches(hf_gen, tok):
     )
     req, res = rec.requests[0], rec.results[0]
     assert list(req.input_ids) == want_ids and req.sampling.max_new_tokens == 12
-    assert full.role == "assistant" and full.model == "claude-x"
+    assert full.role == "assistant" and full.model == "policy"
     assert full.stop_reason == ("max_tokens" if res.finish_reason == "length" else "end_turn")
     assert full.usage.input_tokens == len(want_ids)
     assert full.usage.output_tokens == len(res.output_ids)
@@ -206,7 +206,9 @@ def test_anthropic_tool_use_round_trip_merges_into_one_rollout(tok):
     async def body(server, oa, an):
         server.open_session("t", sampling=SAMPLING)
         c = an("t")
-        first = await c.messages.create(model="m", max_tokens=64, messages=messages, tools=tools)
+        first = await c.messages.create(
+            model="policy", max_tokens=64, messages=messages, tools=tools
+        )
         messages.append({"role": "assistant", "content": [b.model_dump() for b in first.content]})
         use = next(b for b in first.content if b.type == "tool_use")
         result = {
@@ -216,7 +218,7 @@ def test_anthropic_tool_use_round_trip_merges_into_one_rollout(tok):
         }
         messages.append({"role": "user", "content": [result]})
         async with c.messages.stream(
-            model="m", max_tokens=64, messages=messages, tools=tools
+            model="policy", max_tokens=64, messages=messages, tools=tools
         ) as stream:
             second = await stream.get_final_message()
         return first, second, server.finish_session("t", prompt_uid="q", prompt_ids=[1])
@@ -244,12 +246,12 @@ def test_anthropic_errors_are_anthropic_errors(tok):
         msgs = [{"role": "user", "content": "x"}]
         errors = []
         for call in (
-            lambda: an("nobody").messages.create(model="m", max_tokens=4, messages=msgs),
+            lambda: an("nobody").messages.create(model="policy", max_tokens=4, messages=msgs),
             lambda: an("e").messages.create(
-                model="m", max_tokens=4, messages=msgs, stop_sequences=["\n"]
+                model="policy", max_tokens=4, messages=msgs, stop_sequences=["\n"]
             ),
             lambda: an("e").messages.create(
-                model="m",
+                model="policy",
                 max_tokens=4,
                 messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}],
             ),
@@ -275,12 +277,12 @@ def test_responses_records_exact_ids_and_streaming_matches(hf_gen, tok):
         server.open_session("a", sampling=SAMPLING)
         server.open_session("b", sampling=SAMPLING)
         full = await oa("a").responses.create(
-            model="gpt-x", instructions="Be brief.", input="Hi", max_output_tokens=20
+            model="policy", instructions="Be brief.", input="Hi", max_output_tokens=20
         )
         # A length-limited reply ends with response.incomplete, which the SDK's stream()
         # helper does not accept: read the raw event stream.
         stream = await oa("b").responses.create(
-            model="gpt-x", instructions="Be brief.", input="Hi", max_output_tokens=20, stream=True
+            model="policy", instructions="Be brief.", input="Hi", max_output_tokens=20, stream=True
         )
         events = [e async for e in stream]
         streamed = events[-1].response
@@ -318,7 +320,7 @@ def test_responses_function_call_round_trip_with_previous_response_id(tok):
     async def body(server, oa, an):
         server.open_session("r", sampling=SAMPLING)
         c = oa("r")
-        first = await c.responses.create(model="m", input="2+3?", tools=tools)
+        first = await c.responses.create(model="policy", input="2+3?", tools=tools)
         call = next(o for o in first.output if o.type == "function_call")
         output = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
         items = [
@@ -326,9 +328,9 @@ def test_responses_function_call_round_trip_with_previous_response_id(tok):
             *[o.model_dump() for o in first.output],
             output,
         ]
-        resent = await c.responses.create(model="m", input=items, tools=tools)
+        resent = await c.responses.create(model="policy", input=items, tools=tools)
         chained = await c.responses.create(
-            model="m", input=[output], tools=tools, previous_response_id=first.id
+            model="policy", input=[output], tools=tools, previous_response_id=first.id
         )
         return first, resent, chained, server.finish_session("r", prompt_uid="q", prompt_ids=[1])
 
@@ -357,7 +359,7 @@ def test_responses_errors(tok):
             {"input": [{"type": "reasoning", "summary": []}]},
         ):
             with pytest.raises(openai.APIStatusError) as info:
-                await oa("e").responses.create(model="m", **kwargs)
+                await oa("e").responses.create(model="policy", **kwargs)
             errors.append(info.value)
         return errors
 
@@ -383,7 +385,7 @@ def test_concurrent_agents_on_three_apis_never_mix(tok):
             c = oa(sid)
             msgs = [{"role": "user", "content": f"agent{k}"}]
             for _ in range(2):
-                r = await c.chat.completions.create(model="m", messages=msgs)
+                r = await c.chat.completions.create(model="policy", messages=msgs)
                 replies.append(r.choices[0].message.content)
                 msgs += [
                     {"role": "assistant", "content": replies[-1]},
@@ -393,7 +395,7 @@ def test_concurrent_agents_on_three_apis_never_mix(tok):
             c = an(sid)
             msgs = [{"role": "user", "content": f"agent{k}"}]
             for _ in range(2):
-                r = await c.messages.create(model="m", max_tokens=8, messages=msgs)
+                r = await c.messages.create(model="policy", max_tokens=8, messages=msgs)
                 replies.append(r.content[0].text)
                 msgs += [
                     {"role": "assistant", "content": replies[-1]},
@@ -401,9 +403,11 @@ def test_concurrent_agents_on_three_apis_never_mix(tok):
                 ]
         else:
             c = oa(sid)
-            r = await c.responses.create(model="m", input=f"agent{k}")
+            r = await c.responses.create(model="policy", input=f"agent{k}")
             replies.append(r.output_text)
-            r = await c.responses.create(model="m", input=f"agent{k}", previous_response_id=r.id)
+            r = await c.responses.create(
+                model="policy", input=f"agent{k}", previous_response_id=r.id
+            )
             replies.append(r.output_text)
         return replies, server.finish_session(sid, prompt_uid=f"p{k}", prompt_ids=[1])
 
@@ -430,10 +434,10 @@ def test_rerendered_history_is_flagged_not_reencoded(tok):
         server.open_session("h", sampling=SAMPLING)
         c = oa("h")
         msgs = [{"role": "user", "content": "hi"}]
-        r = await c.chat.completions.create(model="m", messages=msgs)
+        r = await c.chat.completions.create(model="policy", messages=msgs)
         edited = r.choices[0].message.content.strip()  # what the model wrote, changed
         msgs += [{"role": "assistant", "content": edited}, {"role": "user", "content": "ok"}]
-        await c.chat.completions.create(model="m", messages=msgs)
+        await c.chat.completions.create(model="policy", messages=msgs)
         return server.sessions["h"].turns, server.finish_session(
             "h", prompt_uid="p", prompt_ids=[1]
         )

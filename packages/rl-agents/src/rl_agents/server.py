@@ -25,6 +25,20 @@ header, the bearer token (``Authorization: Bearer <id>``, the OpenAI client's ``
 gets HTTP 401, so a stray client cannot inject training data. A finished session gets 404.
 Concurrent agents each use their own id, and each turn is recorded only in its own session.
 
+Models. Requests name the model ``Config.model_name`` (or one of ``Config.model_aliases``, or
+none); any other name gets HTTP 404 ``model_not_found`` naming the served one.
+
+Prompt length. A request's prompt is refused with HTTP 400 ``context_length_exceeded`` naming
+the limit when it holds as many tokens as the context allows: ``Config.max_context_tokens`` or
+the model's own context (a generator's ``max_context_tokens`` attribute, or its HF model's
+``max_position_embeddings``), the smaller of the two; the tokenizer's ``model_max_length`` is
+not the model's context and is not used. A text too long for the limit by its size alone is
+refused before it is tokenized.
+
+Fairness. Rendering the chat template and tokenizing (the heavy work of a request: ~5 s for
+1 MiB with a byte-level tokenizer) run in a worker thread, so one large request does not stall
+the other sessions' requests on the event loop.
+
 Sampling is the trainer's: temperature, top-p and top-k come from the session (the log-probs
 must be those of the policy being trained), unless ``Config.client_sampling`` is on. A client's
 ``max_tokens`` may only lower the session's ``max_new_tokens``.
@@ -32,7 +46,9 @@ must be those of the policy being trained), unless ``Config.client_sampling`` is
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,16 +82,19 @@ class AgentServer:
         port: Port = 0
         """TCP port; 0 picks a free one (read :attr:`AgentServer.base_url`)."""
         model_name: str = "policy"
-        """The model id reported by ``/v1/models`` and in responses (any requested name is
-        accepted)."""
+        """The model id reported by ``/v1/models`` and in responses; a request naming another
+        model (not in ``model_aliases``) gets HTTP 404 naming this one."""
+        model_aliases: tuple[str, ...] = ()
+        """Other model names requests may use (agents with a hard-coded model name)."""
         client_sampling: bool = False
         """Let clients set temperature/top_p (off: the session's sampling is used, so log-probs
         are the trained policy's at the training temperature)."""
         max_turns: PositiveInt | None = 64
         """Completions per session at most (protects against agents that loop)."""
         max_context_tokens: PositiveInt | None = None
-        """Prompt + completion tokens per request at most; ``None``: no limit besides the
-        engine's."""
+        """Prompt + completion tokens per request at most; ``None``: the model's context (see
+        the module docstring), or no limit besides the engine's when the generator does not
+        say."""
         chat: ChatFormat.Config = field(default_factory=ChatFormat.Config)
         """Chat template and tool-call format."""
 
@@ -86,6 +105,14 @@ class AgentServer:
                 raise ConfigError(f"agents.max_turns: must be >= 1 or null, got {self.max_turns}.")
             if isinstance(self.chat, Mapping):
                 object.__setattr__(self, "chat", ChatFormat.Config(**self.chat))
+            if isinstance(self.model_aliases, str) or not all(
+                isinstance(a, str) for a in self.model_aliases
+            ):
+                raise ConfigError(
+                    f"agents.model_aliases: expected a list of model names, got "
+                    f"{self.model_aliases!r}."
+                )
+            object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
 
     def __init__(self, config: Config, *, generator: Generator, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -97,6 +124,12 @@ class AgentServer:
         self._finished: set[str] = set()
         self._runner: Any = None
         self._port: int | None = None
+        model_ctx = _model_context(generator)
+        limits = [n for n in (config.max_context_tokens, model_ctx) if n is not None]
+        self.max_context_tokens: int | None = min(limits) if limits else None
+        """Prompt + completion tokens a request may use: ``Config.max_context_tokens`` or the
+        model's context, the smaller (``None``: unknown, no limit besides the engine's)."""
+        self._max_token_bytes = _max_token_bytes(tokenizer)
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -161,7 +194,7 @@ class AgentServer:
             id=session_id,
             sampling=sampling,
             max_turns=self.config.max_turns,
-            max_context_tokens=self.config.max_context_tokens,
+            max_context_tokens=self.max_context_tokens,
             metadata=dict(metadata or {}),
             return_routing=return_routing,
         )
@@ -236,6 +269,48 @@ class AgentServer:
             raise HTTPError(401, f"session {sid!r} is not open on this server.", "session_unknown")
         return s
 
+    def check_model(self, name: Any) -> None:
+        """HTTP 404 naming the served model when a request names another one (a missing name
+        is the served one)."""
+        if name is None or name == "":
+            return
+        served = self.config.model_name
+        if name != served and name not in self.config.model_aliases:
+            also = f" (or {', '.join(map(repr, self.config.model_aliases))})" * bool(
+                self.config.model_aliases
+            )
+            raise HTTPError(
+                404,
+                f"model {name!r} is not served here; this server serves {served!r}{also}.",
+                "model_not_found",
+                "model",
+            )
+
+    def _prompt(self, s: Session, req: ChatRequest) -> tuple[str, tuple[int, ...], int | None]:
+        """Render and tokenize ``req`` (run in a worker thread: the heavy part of a request).
+        Refuses a text that cannot fit the context by its size alone before tokenizing it."""
+        try:
+            text = self.chat.render(
+                s.substitute(req.messages), req.tools if req.tools_enabled else None
+            )
+        except DataError as e:
+            raise HTTPError(400, str(e), "invalid_messages", "messages") from None
+        limit = s.max_context_tokens
+        if limit is not None and self._max_token_bytes is not None:
+            size = len(text.encode("utf-8", errors="replace"))
+            # No token covers more than _max_token_bytes bytes of text (x4: normalizers may
+            # shrink text before it is split), so the prompt has more tokens than the limit.
+            if size > 4 * self._max_token_bytes * limit:
+                raise HTTPError(
+                    400,
+                    f"prompt is {size} bytes, more than the {limit} tokens the context allows "
+                    f"(max_context_tokens={limit}) can hold; shorten the messages",
+                    "context_length_exceeded",
+                    "messages",
+                )
+        ids, _ = s.prompt_ids(text, self.chat.encode)
+        return text, ids, s.rerendered(text)
+
     def _sampling(self, s: Session, req: ChatRequest) -> SamplingParams:
         sp = s.sampling
         if req.max_tokens is not None:
@@ -260,20 +335,17 @@ class AgentServer:
                 400, f"session {s.id!r} reached max_turns={s.max_turns}", "max_turns_reached"
             )
         sampling = self._sampling(s, req)
-        try:
-            text = self.chat.render(
-                s.substitute(req.messages), req.tools if req.tools_enabled else None
-            )
-        except DataError as e:
-            raise HTTPError(400, str(e), "invalid_messages", "messages") from None
-        ids, _ = s.prompt_ids(text, self.chat.encode)
-        rerendered = s.rerendered(text)
+        loop = asyncio.get_running_loop()
+        text, ids, rerendered = await loop.run_in_executor(
+            None, functools.partial(self._prompt, s, req)
+        )
         limit = s.max_context_tokens
         if limit is not None:
             if len(ids) >= limit:
                 raise HTTPError(
                     400,
-                    f"prompt has {len(ids)} tokens; the session allows {limit} in context",
+                    f"prompt has {len(ids)} tokens; the context allows {limit} "
+                    f"(max_context_tokens={limit}, prompt + completion); shorten the messages",
                     "context_length_exceeded",
                     "messages",
                 )
@@ -318,3 +390,34 @@ class AgentServer:
         else:
             finish = "length" if result.finish_reason == FinishReason.LENGTH else "stop"
         return Completion(turn=turn, parsed=parsed, prompt_tokens=len(ids), finish=finish)
+
+
+def _model_context(generator: Generator) -> int | None:
+    """The model's context in tokens as the generator tells it: its ``max_context_tokens``
+    attribute, or its HF model's ``config.max_position_embeddings``; ``None`` when it does not
+    say."""
+    for value in (
+        getattr(generator, "max_context_tokens", None),
+        getattr(
+            getattr(getattr(generator, "model", None), "config", None),
+            "max_position_embeddings",
+            None,
+        ),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _max_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most UTF-8 bytes of any vocabulary entry (an upper bound of the text one token
+    covers: byte-level and SentencePiece vocabularies spell each byte with >= 1 byte); ``None``
+    when the tokenizer has no ``get_vocab``."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        vocab = get_vocab()
+        return max((len(str(k).encode("utf-8", errors="replace")) for k in vocab), default=None)
+    except Exception:  # a tokenizer without a usable vocabulary: no pre-check
+        return None

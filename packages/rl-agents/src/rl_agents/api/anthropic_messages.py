@@ -198,6 +198,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
     """Serve one message (see the module docstring)."""
     try:
         body = await read_json(request)
+        server.check_model(body.get("model"))
         req = parse(body)
         session = server.session_of(request, req.user)
         done = await server.complete(session, req)

@@ -75,6 +75,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
     """Serve one chat completion (see the module docstring)."""
     try:
         body = await read_json(request)
+        server.check_model(body.get("model"))
         session = server.session_of(request, body.get("user"))
         done = await server.complete(session, parse(body))
     except HTTPError as e:

@@ -206,6 +206,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
     """Serve one response (see the module docstring)."""
     try:
         body = await read_json(request)
+        server.check_model(body.get("model"))
         user = body.get("user")
         session = server.session_of(request, user if isinstance(user, str) else None)
         prev = body.get("previous_response_id")
