@@ -9,7 +9,9 @@ either a Python callable (``program: "my_agent:solve"``)::
         ...                                   # any number of chat completions, tool calls
         return reward                         # or None: the trainer's reward function scores it
 
-(``async def`` works too), or a subprocess (``command: ["python", "agent.py"]``) that gets
+(``async def`` works too), or a subprocess (``command: ["python", "agent.py"]``: ``python``
+means the trainer's own interpreter, ``sys.executable``, and a relative script path resolves
+against the recipe's directory; see :func:`resolve_command`) that gets
 ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (the session id) and ``RL_TASK`` (JSON with the prompt's
 ``input``, ``label`` and ``metadata``) in its environment and the same JSON on stdin. If the last
 line it prints is a JSON object with a numeric ``"reward"``, that is the session's reward.
@@ -29,19 +31,23 @@ import inspect
 import json
 import logging
 import os
+import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rl_agents.server import AgentServer
 from rl_core.config import PositiveFloat, from_dict
 from rl_core.errors import ConfigError, RewardError
 from rl_core.interfaces import Generator, RolloutContext
+from rl_core.locations import Located, base_dir_of
 from rl_core.types import Prompt, Rollout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentRollout", "AgentTask", "SessionReward"]
+__all__ = ["AgentRollout", "AgentTask", "SessionReward", "resolve_command"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,8 +81,12 @@ class AgentRollout:
         program: str | None = None
         """``"module:attr"`` of a callable ``fn(task: AgentTask) -> float | None`` (sync: run in
         a worker thread; async: awaited)."""
-        command: list[str] | None = None
-        """A subprocess to run per session (see the module docstring)."""
+        command: list[Located | str] | None = None
+        """A subprocess to run per session (see the module docstring). ``python`` /
+        ``python3`` as the program is the trainer's interpreter; a relative path (the program
+        or an argument) naming a file beside the recipe resolves there
+        (:func:`resolve_command`; strings from a recipe remember its directory:
+        :class:`~rl_core.locations.Located`)."""
         timeout_s: PositiveFloat = 600.0
         """Seconds one session may take; then it fails (a subprocess is killed)."""
         server: dict[str, Any] | None = None
@@ -103,6 +113,10 @@ class AgentRollout:
         self.server_config = from_dict(
             AgentServer.Config, dict(config.server or {}), path="generate_fn.server"
         )
+        self.argv: list[str] | None = (
+            resolve_command(config.command) if config.command is not None else None
+        )
+        """The command as it is started (:func:`resolve_command`), or ``None``."""
         self._fn: Any = None
         if config.program is not None:
             from rl_core.registry import check_callable, load_object
@@ -212,9 +226,9 @@ class AgentRollout:
             "OPENAI_API_KEY": task.api_key,
             "RL_TASK": payload,
         }
-        assert self.config.command is not None
+        assert self.argv is not None
         proc = await asyncio.create_subprocess_exec(
-            *self.config.command,
+            *self.argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -231,7 +245,7 @@ class AgentRollout:
         stdout = out.decode(errors="replace")
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip()[-500:]
-            raise RuntimeError(f"{self.config.command[0]} exited with {proc.returncode}: {tail}")
+            raise RuntimeError(f"{self.argv[0]} exited with {proc.returncode}: {tail}")
         reward = None
         lines = [ln for ln in stdout.splitlines() if ln.strip()]
         if lines:
@@ -242,6 +256,36 @@ class AgentRollout:
             if isinstance(last, dict) and "reward" in last:
                 reward = last["reward"]
         return reward, {"agent_stdout": stdout[-2000:]}
+
+
+_PYTHON_NAMES = frozenset({"python", "python3", f"python3.{sys.version_info.minor}"})
+
+
+def resolve_command(command: Sequence[str]) -> list[str]:
+    """The argv an agent ``command`` starts: ``python`` (``python3``, ``python3.X`` of this
+    version) as the program becomes :data:`sys.executable`, the interpreter the trainer runs
+    in, not the first ``python`` on ``PATH``; a relative path (the program, or an argument
+    that is not an option) naming an existing file in the recipe's directory (where the
+    string was written: :func:`rl_core.locations.base_dir_of`) becomes that absolute path.
+    Anything else is kept as written."""
+    argv = [str(a) for a in command]
+    if argv and argv[0] in _PYTHON_NAMES:
+        argv[0] = sys.executable
+    elif argv and "/" in argv[0]:
+        argv[0] = _beside_recipe(command[0])
+    for i in range(1, len(argv)):
+        if not argv[i].startswith("-"):
+            argv[i] = _beside_recipe(command[i])
+    return argv
+
+
+def _beside_recipe(arg: str) -> str:
+    """``arg`` made absolute against its recipe's directory when it names a file there."""
+    p = Path(str(arg))
+    if p.is_absolute() or not str(arg):
+        return str(arg)
+    candidate = base_dir_of(arg) / p
+    return str(candidate) if candidate.is_file() else str(arg)
 
 
 class SessionReward:
