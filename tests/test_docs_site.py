@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,38 @@ def test_reference_page_documents_the_public_api(site: Path, pkg: str):
     assert not missing, f"{page.name} does not document: {missing}"
     literal = re.findall(r":(?:class|func|meth|mod|attr):`", html)
     assert not literal, f"{page.name} shows {len(literal)} Sphinx roles as literal text"
+
+
+def _inventory(site: Path) -> set[str]:
+    """The object names of the site's ``objects.inv`` (every rendered object, under its full
+    path and, for a re-exported one, its defining module's path too)."""
+    data = (site / "objects.inv").read_bytes()
+    start = 0
+    for _ in range(4):  # the four header lines of a Sphinx inventory, then zlib
+        start = data.index(b"\n", start) + 1
+    lines = zlib.decompress(data[start:]).decode("utf-8").splitlines()
+    return {line.split(" ", 1)[0] for line in lines if line}
+
+
+def test_every_public_name_is_documented(site: Path):
+    """Every name in the ``__all__`` of every public module is rendered somewhere in the site
+    (a public name without a docstring is left out of the pages, so it fails here)."""
+    inventory = _inventory(site)
+    missing = []
+    for pkg, src in PACKAGES.items():
+        for module in _public_modules(pkg, src):
+            path = ROOT / src / module.replace(".", "/")
+            source = (
+                path.with_suffix(".py")
+                if path.with_suffix(".py").exists()
+                else path / "__init__.py"
+            )
+            missing += [
+                f"{module}.{name} ({source.relative_to(ROOT)}): add a docstring"
+                for name in _static_all(source)
+                if f"{module}.{name}" not in inventory
+            ]
+    assert not missing, "public names not in the API reference:\n" + "\n".join(missing)
 
 
 def test_cross_references_link_across_pages(site: Path):

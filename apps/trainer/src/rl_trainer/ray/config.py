@@ -19,6 +19,8 @@ __all__ = ["FILE_TRANSPORTS", "check_ray_config", "setup_process", "spec_with"]
 
 
 FILE_TRANSPORTS = ("rl_weightsync.disk_full", "rl_weightsync.disk_delta")
+"""Modules of the weight transports that work through a shared filesystem: the only ones a run
+with its generator in the driver (``runtime.generator.count: 0``) can use."""
 
 
 def spec_with(kind: str, spec: ComponentSpec, **values: Any) -> ComponentSpec:
