@@ -28,6 +28,13 @@ tile ``delta.bin`` exactly, and every tensor's checksum before writing anything 
 checkpoint, and only then loads. Versions are published exclusively (see ``_fs``). A target with
 ``load_weights_from_disk`` (:class:`~rl_weightsync.disk_full.DiskWeightTarget`) is pointed at the
 local checkpoint; any other target gets the changed tensors through ``load_weights``.
+
+With ``serve_dtype`` the sender records it in every manifest; a receiver seeds its local
+checkpoint from ``base_checkpoint`` cast to it (an fp32 base served in bf16), so receivers need
+not repeat it. A receiver in another process gets each update's handle as JSON
+(``dataclasses.asdict(update)``), or finds versions itself: :attr:`DiskDeltaTransport.versions`,
+:meth:`~DiskDeltaTransport.newest_version` and :meth:`~DiskDeltaTransport.update_for` (as on
+:class:`~rl_weightsync.disk_full.DiskFullTransport`).
 """
 
 from __future__ import annotations
