@@ -111,6 +111,7 @@ def assemble(cfg: TrainerConfig) -> Components:
 
         check_ray_config(cfg, transport_spec(cfg, model_path))
     train_data, scorer, eval_sets = _data_and_rewards(cfg, tokenizer)
+    _check_model_limits(cfg, model_path, train_data, eval_sets)
     filters: list[GuardedFilter] = []
     for i, spec in enumerate(cfg.rollout.filters):
         where = f"rollout.filters[{i}]"
@@ -201,6 +202,28 @@ def _data_and_rewards(cfg: TrainerConfig, tokenizer: Any) -> tuple[Any, Scorer, 
     for s in [scorer, *(e.scorer for e in eval_sets)]:
         s.set_timeouts(cfg.rollout.reward_timeout_s, cfg.rollout.reward_round_timeout_s)
     return train_data, scorer, eval_sets
+
+
+def _check_model_limits(
+    cfg: TrainerConfig, model_path: str, train_data: Any, eval_sets: list[EvalSet]
+) -> None:
+    """What the model cannot honour, refused before it is built (:mod:`rl_trainer.load_checks`):
+    routing replay on a dense model; prompts that with their response budget pass its context."""
+    from rl_trainer.load_checks import check_context, check_routing, read_model_config
+
+    model_cfg = read_model_config(model_path)
+    check_routing(cfg.rollout.routing_replay, model_cfg, model_path)
+    if cfg.mode == "sft":
+        return
+    budget = "rollout.sampling.max_new_tokens"
+    sets: list[tuple[str, Any, Any, int, str]] = [
+        ("data.train", train_data, None, cfg.rollout.sampling.max_new_tokens, budget)
+    ]
+    for e in eval_sets:
+        name = "eval" if e.name is None else f"eval.datasets[{e.name!r}]"
+        field = "eval.sampling.max_new_tokens" if e.name is None else f"{name}.sampling"
+        sets.append((name, None, e.prompts, e.sampling.max_new_tokens, field))
+    check_context(model_cfg, model_path, sets)
 
 
 def _no_reward(prompt: Any, response: str, **_: Any) -> float:
