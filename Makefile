@@ -66,7 +66,7 @@ real-model: setup
 	$(BIN)/rl-train convert --smollm2
 
 demo: setup
-	$(BIN)/rl-train run demo
+	$(BIN)/rl-train run demo --overwrite
 
 test: setup sglang-env real-model
 	$(BIN)/ruff check .

@@ -117,6 +117,7 @@ def main() -> None:
         "logging.progress": "false",
     }
     cmd = [sys.executable, "-m", "rl_trainer.cli", "run", "smollm2_math", "--no-report"]
+    cmd.append("--overwrite")  # a rerun replaces the last one (kept as <run-dir>.old-<time>)
     cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     cmd += [a for kv in args.set for a in ("--set", kv)]
     wall = None

@@ -168,14 +168,16 @@ def test_a_dump_naming_code_is_inert(tmp_path, evil_code, tiny_recipe_dict, caps
     err = capsys.readouterr().err
     assert f"reward.type: {ref}" in err and "RECIPE" in err
     # with a recipe naming other code: refused naming both
-    (tmp_path / "good_reward.py").write_text(
+    (tmp_path / "trust_dump_reward.py").write_text(
         "def score(prompt, response, rollout):\n    return 1.0\n"
     )
-    recipe = tiny_recipe_dict(run_dir, reward={"type": f"{tmp_path / 'good_reward.py'}:score"})
+    recipe = tiny_recipe_dict(
+        run_dir, reward={"type": f"{tmp_path / 'trust_dump_reward.py'}:score"}
+    )
     (tmp_path / "recipe.json").write_text(__import__("json").dumps(recipe))
     assert main(["replay", str(tmp_path / "dump"), str(tmp_path / "recipe.json")]) == 2
     err = capsys.readouterr().err
-    assert "differs" in err and ref in err and "good_reward.py:score" in err
+    assert "differs" in err and ref in err and "trust_dump_reward.py:score" in err
     assert not marker.exists()
 
 

@@ -4,9 +4,10 @@ with, and the data the run reads against the digest the checkpoint recorded.
 Fields that change the math or the model (the model, the policy and its optimizer, the
 algorithm, the data and its content, rollout sampling, the reward...) must be equal: a change is
 refused with a :class:`ConfigError` listing each ``field: old -> new`` and how to accept it
-(``--allow-changed FIELD``, a field or a section prefix such as ``policy``). Fields that are safe to
-change on resume (:data:`SAFE_FIELDS`: ``rl.steps``, logging, the eval schedule, checkpoint
-cadence, ``run_dir``, threads and runtime placement, timeouts, dumps) are allowed and logged.
+(``--allow-changed FIELD``, a field or a section prefix such as ``policy``). Fields that are safe
+to change on resume (:data:`SAFE_FIELDS`: ``rl.steps``, ``sft.steps``, logging, the eval
+schedule, checkpoint cadence, ``run_dir``, threads and runtime placement, timeouts, dumps) are
+allowed and logged.
 
 Data identity is a content digest (xxh3_128, read in streaming chunks) of every file or directory
 the config's data sections name (``data``, ``task``), not a row count: a file edited with its
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 SAFE_FIELDS = (
     "rl.steps",
+    "sft.steps",
     "logging",
     "eval",
     "checkpoint",

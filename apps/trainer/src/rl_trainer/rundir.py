@@ -6,6 +6,7 @@
   holder (pid, host, start time) into it. A second run on the directory is refused with a
   :class:`ConfigError` naming the holder. The lock is the kernel's: it ends with the process,
   however the process ends (a stale ``.lock`` file of a killed run is taken over silently).
+  Within one process a later claim takes the lock over from an earlier one.
 - A new run (no ``--resume``) into a directory that holds an earlier run (checkpoints, metrics,
   a final model...) is refused unless ``overwrite`` is set, which moves the earlier run's files
   aside into ``<run_dir>.old-<UTC timestamp>`` (never deletes them).
@@ -42,10 +43,10 @@ RUN_FILES = (
     "sft_model",
     "samples.jsonl",
     "failures.jsonl",
-    "tb",
-    CONFIG,
 )
-"""Entries whose presence means the directory holds an earlier run."""
+"""Entries whose presence means the directory holds an earlier run (an empty file or directory
+does not count: a run that failed before its first step left nothing to mix with; the tiny
+``init_model``, a task's data and ``config.yaml`` are rewritten by the next run)."""
 
 
 def _cause(e: OSError) -> str:
@@ -67,6 +68,12 @@ class RunLock:
         """Whether the lock is still held."""
         return self._handle is not None
 
+    def _take(self) -> IO[str]:
+        """Hand the open, locked file over to a later claim of this process."""
+        handle, self._handle = self._handle, None
+        assert handle is not None
+        return handle
+
     def release(self) -> None:
         """Unlock and close ``.lock`` (idempotent); the file stays, naming the last holder."""
         if self._handle is not None:
@@ -77,13 +84,24 @@ class RunLock:
                 self._handle = None
 
 
+_HELD: dict[str, RunLock] = {}
+"""This process's locks by resolved directory: a later claim in the same process (a run built
+after an earlier one that was never run or closed) takes the lock over instead of waiting for
+itself; one process runs one run on a directory at a time."""
+
+
 def earlier_run_files(run_dir: Path) -> list[str]:
     """The names in ``run_dir`` that belong to an earlier run (:data:`RUN_FILES`)."""
     out = []
     for name in RUN_FILES:
         p = run_dir / name
-        if p.is_dir() and not any(p.iterdir()):
-            continue  # an empty directory holds nothing of a run
+        try:
+            if p.is_dir() and not any(p.iterdir()):
+                continue  # an empty directory holds nothing of a run
+            if p.is_file() and p.stat().st_size == 0:
+                continue
+        except OSError:
+            pass  # unreadable: it is there, count it
         if p.exists():
             out.append(name)
     return out
@@ -125,14 +143,19 @@ def claim(
     d = Path(run_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        handle = open(d / LOCK, "a+")  # noqa: SIM115 (held for the run's life)
+        key = str(d.resolve())
+        earlier = _HELD.get(key)
+        if earlier is not None and earlier.held:
+            handle = earlier._take()  # this process's earlier run on it: taken over
+        else:
+            handle = open(d / LOCK, "a+")  # noqa: SIM115 (held for the run's life)
     except OSError as e:
         raise ConfigError(
             f"run_dir: {d} cannot be created or written ({_cause(e)}); make it writable or set "
             "run_dir to a writable directory."
         ) from e
     try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a no-op when held
     except OSError as e:
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             handle.close()
@@ -145,6 +168,7 @@ def claim(
             "set run_dir to another directory."
         ) from None
     lock = RunLock(d, handle)
+    _HELD[key] = lock
     try:
         handle.seek(0)
         handle.truncate()
