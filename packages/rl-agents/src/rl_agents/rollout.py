@@ -227,8 +227,10 @@ class AgentRollout:
             "RL_TASK": payload,
         }
         assert self.argv is not None
+        from rl_agents.tools.private import private_argv  # its own PID namespace: no key leak
+
         proc = await asyncio.create_subprocess_exec(
-            *self.argv,
+            *private_argv(self.argv),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

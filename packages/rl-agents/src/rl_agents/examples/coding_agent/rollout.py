@@ -174,8 +174,10 @@ class CodingAgentRollout:
             "AGENT_MAX_TOKENS": str(c.max_tokens),
             "AGENT_MODEL": server.config.model_name,
         }
+        from rl_agents.tools.private import private_argv  # its own PID namespace: no key leak
+
         proc = await asyncio.create_subprocess_exec(
-            *c.command,
+            *private_argv(c.command),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
