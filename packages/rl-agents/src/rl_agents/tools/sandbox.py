@@ -142,13 +142,9 @@ _NS_SCRIPT = r"""
 set -e
 wd="$1"; shift
 cd "$wd"
-parent=$(dirname "$wd")
-case "$parent" in
-  /tmp|/tmp/*) mount -t tmpfs -o mode=755,size=1m none /tmp ;;
-  /) ;;
-  *) mount -t tmpfs -o mode=755,size=1m none /tmp; mount -t tmpfs -o mode=755,size=1m none "$parent" ;;
-esac
-if [ "$parent" = / ]; then
+while [ "$1" != "--" ]; do mount -t tmpfs -o mode=755,size=1m none "$1"; shift; done
+shift
+if [ -d "$wd" ]; then
   mount --bind "$wd" "$wd"
 else
   mkdir -p "$wd"
@@ -331,6 +327,26 @@ def _interpreter(python: str, drop: bool) -> tuple[str, bool]:
     if system is not None and _nobody_can_run(system):
         return system, True
     return python, False
+
+
+def _hidden_dirs(wd: str, python: str) -> list[str]:
+    """The directories the namespace modes hide under empty mounts: ``/tmp`` and the root's
+    parent (where other episodes' roots live), except ``/`` and any that holds the
+    interpreter's installation (a virtual environment beside the root stays visible)."""
+    exe = os.path.abspath(python)
+    keep = {os.path.dirname(os.path.dirname(p)) for p in (exe, os.path.realpath(exe))}
+
+    def holds_interpreter(d: str) -> bool:
+        return any(k == d or k.startswith(d.rstrip("/") + "/") for k in keep)
+
+    out: list[str] = []
+    for d in ("/tmp", os.path.dirname(wd)):
+        if d == "/" or holds_interpreter(d) or d in out:
+            continue
+        if any(d.startswith(h + "/") for h in out):  # already under a hidden one
+            continue
+        out.append(d)
+    return out
 
 
 def _unshare_argv(exe: str) -> list[str]:
@@ -577,16 +593,15 @@ class Sandbox:
         }
         inner = [self.python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
         if mode == "bwrap":
-            parent = os.path.dirname(wd)
-            hide = ["--tmpfs", parent] if parent not in ("/", "/tmp") else []
+            hide = [a for d in _hidden_dirs(wd, self.python) for a in ("--tmpfs", d)]
             argv_ = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev",
-                     "--proc", "/proc", "--tmpfs", "/tmp", *hide, "--bind", wd, wd,
+                     "--proc", "/proc", *hide, "--bind", wd, wd,
                      "--unshare-all", "--die-with-parent", "--chdir", wd, "--",
                      *inner]  # fmt: skip
         elif mode == "namespace":
             unshare = shutil.which("unshare") or "unshare"
             argv_ = [*_unshare_argv(unshare), "sh", "-c", _NS_SCRIPT, "sh"]
-            argv_ += [wd, *inner]
+            argv_ += [wd, *_hidden_dirs(wd, self.python), "--", *inner]
         else:
             argv_ = inner
         env = {
