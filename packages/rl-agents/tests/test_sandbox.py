@@ -18,7 +18,11 @@ MODES = isolation_modes()
 
 @pytest.fixture(params=MODES)
 def box(request) -> Sandbox:
-    return Sandbox(Sandbox.Config(isolation=request.param, timeout_s=20, cpu_time_s=5))
+    return Sandbox(
+        Sandbox.Config(
+            accept_weak_isolation=True, isolation=request.param, timeout_s=20, cpu_time_s=5
+        )
+    )
 
 
 def test_normal_code_returns_stdout_exit_code_and_files(box):
@@ -43,14 +47,14 @@ def test_exception_gives_traceback_and_status_1(box):
 
 
 def test_runaway_cpu_loop_is_killed_by_the_cpu_limit():
-    box = Sandbox(Sandbox.Config(timeout_s=60, cpu_time_s=1))
+    box = Sandbox(Sandbox.Config(accept_weak_isolation=True, timeout_s=60, cpu_time_s=1))
     res = box.run("while True:\n    pass\n")
     assert res.signal in ("SIGXCPU", "SIGKILL") and not res.timed_out
     assert res.duration_s < 30
 
 
 def test_sleeping_script_is_killed_at_the_wall_time_limit():
-    box = Sandbox(Sandbox.Config(timeout_s=3, cpu_time_s=60))
+    box = Sandbox(Sandbox.Config(accept_weak_isolation=True, timeout_s=3, cpu_time_s=60))
     res = box.run("import time\nprint('start', flush=True)\ntime.sleep(120)\n")
     assert res.timed_out and res.signal == "SIGKILL" and not res.ok
     assert res.stdout == "start\n"
@@ -58,20 +62,35 @@ def test_sleeping_script_is_killed_at_the_wall_time_limit():
 
 
 def test_memory_hog_dies(box):
-    small = Sandbox(Sandbox.Config(isolation=box.isolation, memory_mb=200, timeout_s=20))
+    small = Sandbox(
+        Sandbox.Config(
+            accept_weak_isolation=True, isolation=box.isolation, memory_mb=200, timeout_s=20
+        )
+    )
     res = small.run("x = bytearray(1024 * 1024 * 1024)\nprint('allocated')\n")
     assert not res.ok and "allocated" not in res.stdout
     assert "MemoryError" in res.stderr
 
 
 def test_file_size_limit(box):
-    small = Sandbox(Sandbox.Config(isolation=box.isolation, file_size_mb=1, timeout_s=20))
+    small = Sandbox(
+        Sandbox.Config(
+            accept_weak_isolation=True, isolation=box.isolation, file_size_mb=1, timeout_s=20
+        )
+    )
     res = small.run("open('big', 'wb').write(b'x' * (4 * 1024 * 1024))\nprint('wrote')\n")
     assert not res.ok and "wrote" not in res.stdout  # EFBIG / SIGXFSZ
 
 
 def test_runaway_printer_output_is_capped(box):
-    small = Sandbox(Sandbox.Config(isolation=box.isolation, file_size_mb=1, max_output_bytes=1000))
+    small = Sandbox(
+        Sandbox.Config(
+            accept_weak_isolation=True,
+            isolation=box.isolation,
+            file_size_mb=1,
+            max_output_bytes=1000,
+        )
+    )
     res = small.run("while True:\n    print('x' * 1000)\n")
     assert not res.ok and res.truncated and len(res.stdout) == 1000
 
@@ -123,7 +142,7 @@ def test_namespace_blocks_network_below_the_audit_hook():
     """In namespace mode the network is gone at the kernel level, not only refused by Python's
     audit hook (which native code could bypass): the only interface is the loopback, and it is
     down, so even a raw send fails."""
-    box = Sandbox(Sandbox.Config(isolation="namespace"))
+    box = Sandbox(Sandbox.Config(accept_weak_isolation=True, isolation="namespace"))
     res = box.run(
         "import socket\n"
         "print([name for _, name in socket.if_nameindex()])\n"
@@ -161,4 +180,4 @@ def test_config_and_file_errors():
     with pytest.raises(ConfigError, match="memory_mb"):
         Sandbox.Config(memory_mb=0)
     with pytest.raises(DataError, match="relative path"):
-        Sandbox().run("pass", files={"../x.py": ""})
+        Sandbox(Sandbox.Config(accept_weak_isolation=True)).run("pass", files={"../x.py": ""})

@@ -56,7 +56,11 @@ def _settle_tasks(uid: int, timeout_s: float = 20.0) -> None:
 
 
 def _box(mode: str, **kw) -> Sandbox:
-    return Sandbox(Sandbox.Config(isolation=mode, timeout_s=20, cpu_time_s=10, **kw))
+    return Sandbox(
+        Sandbox.Config(
+            accept_weak_isolation=True, isolation=mode, timeout_s=20, cpu_time_s=10, **kw
+        )
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -137,7 +141,7 @@ def test_memory_hog_dies(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sleeper_is_killed_at_the_time_limit(mode):
-    box = Sandbox(Sandbox.Config(isolation=mode, timeout_s=2))
+    box = Sandbox(Sandbox.Config(accept_weak_isolation=True, isolation=mode, timeout_s=2))
     with box.episode() as ep:
         res = ep.shell("echo start; sleep 60 & sleep 60")
     assert res.timed_out and res.signal == "SIGKILL" and res.stdout == "start\n"
@@ -171,7 +175,14 @@ def test_episode_root_is_private_and_persists_between_commands(mode):
 def test_command_line_runs_one_command():
     tmp_path = Path(tempfile.mkdtemp())  # reachable by nobody (a root trainer drops to it)
     cmd = [sys.executable, "-m", "rl_agents.tools", "--root", str(tmp_path)]
-    cmd += ["--config", '{"timeout_s": 5}', "--", "sh", "-c", "echo hi > f; cat f; exit 3"]
+    cmd += [
+        "--config",
+        '{"timeout_s": 5, "accept_weak_isolation": true}',
+        "--",
+        "sh",
+        "-c",
+        "echo hi > f; cat f; exit 3",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and proc.stdout == "hi\n", proc.stderr
     assert (tmp_path / "f").read_text() == "hi\n" and tmp_path.exists()  # kept
