@@ -59,7 +59,7 @@ class AgentTask:
     api_key: str
     """The session id; pass it as the client's ``api_key``."""
     model: str
-    """Model name to put in requests (any name is accepted)."""
+    """Model name to put in requests (the server answers another name with 404)."""
     prompt: Prompt
     """The prompt (``input`` is text or chat messages; ``label`` and ``metadata`` as loaded)."""
 
