@@ -121,3 +121,19 @@ def test_a_read_only_run_dir_is_a_config_error_naming_it(tmp_path):
             claim(ro / "run", resume=False)
     finally:
         ro.chmod(0o755)
+
+
+def _claim_elsewhere(run_dir: Path) -> subprocess.CompletedProcess:
+    """Try to claim ``run_dir`` (as a resume) from another process."""
+    code = f"from rl_trainer.rundir import claim; claim({str(run_dir)!r}, resume=True)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_trainer_holds_its_run_dir_until_its_run_ends(tmp_path, tiny_recipe_dict):
+    run_dir = tmp_path / "run"
+    trainer = Trainer(load_trainer_config(_recipe(tiny_recipe_dict, run_dir)))
+    other = _claim_elsewhere(run_dir)
+    assert other.returncode != 0 and "in use by another run" in other.stderr
+    assert f'"pid": {os.getpid()}' in other.stderr  # the holder is named
+    trainer.run()
+    assert _claim_elsewhere(run_dir).returncode == 0  # released at the end of the run
