@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
-EDITABLES := -e "packages/rl-core[yaml,test,math]" -e "packages/rl-hf[test,gguf,lora]" -e "packages/rl-agents[test]" \
+EDITABLES := -e "packages/rl-core[yaml,test,math,dev]" -e "packages/rl-hf[test,gguf,lora]" -e "packages/rl-agents[test]" \
              -e "packages/rl-buffer[parquet,datasets]" \
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"
@@ -18,7 +18,7 @@ CONSTRAINTS := constraints.txt
 PIP_VERSION := 26.3
 TOOLS := ruff build
 
-.PHONY: setup lock sglang-env sglang-lock real-model demo test test-long test-gpu lint format bench clean
+.PHONY: setup lock check-packages sglang-env sglang-lock real-model demo test test-long test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ lock:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 	rm -rf .lock-venv
 	@echo "constraints.txt updated: review 'git diff constraints.txt', then 'make setup'"
+
+# Build every distribution (wheel + sdist), `twine check --strict` them, and check that each
+# ships LICENSE and py.typed (tests/test_packaging.py does the same inside `make test`).
+check-packages: setup
+	bash scripts/check_packages.sh
 
 # SGLang (its own venv, its own torch pin) and the CPU stub driver, cached under
 # $RL_SGLANG_HOME (default ~/.cache/rl-sglang): ~15 min the first time, ~1 s afterwards.
