@@ -103,7 +103,7 @@ def test_async_kill_and_resume_matches_uninterrupted(tiny_recipe, cli, kill_afte
     # Kill once an RL-phase checkpoint exists (global step 6 = 3 SFT + 3 RL steps): the round
     # of step 4 was already produced and sits in the checkpointed buffer.
     marker = kill_after_checkpoint(recipe_b, run_b, 6, *ASYNC) / "COMPLETE"
-    state = torch.load(marker.parent / "trainer_state.pt", weights_only=False)
+    state = torch.load(marker.parent / "trainer_state.pt", weights_only=True)
     assert list(state["pipeline"]["ready"]) == [4] and len(state["buffer"]["groups"]) == 4
     _run(cli, recipe_b, "--resume", *ASYNC)
 

@@ -125,8 +125,8 @@ def test_continuous_mode_trains_within_the_staleness_bound(tmp_path, tiny_recipe
     _check_episodes(three_turns(), rows, steps=4)
     assert all(r["rollout/rounds_taken"] >= 1 for r in rows)
     assert [r["step"] for r in rows if any(k.startswith("eval/") for k in r)] == [2, 4]
-    state = torch.load(
-        run_dir / "checkpoints" / "step_000004" / "trainer_state.pt", weights_only=False
+    state = torch.load(  # plain data: loads without pickle's code execution
+        run_dir / "checkpoints" / "step_000004" / "trainer_state.pt", weights_only=True
     )
     assert state["pipeline"]["continuous"] is True
 
