@@ -157,3 +157,26 @@ def test_setting_aside_without_permission_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "rename", denied)
     with pytest.raises(CheckpointError, match=r"cannot be set aside.*EACCES"):
         resume_checkpoint(tmp_path, on_damaged="fallback")
+
+
+def test_a_full_disk_while_saving_the_final_model_ends_the_run_naming_it(
+    tmp_path, monkeypatch, tiny_recipe_dict
+):
+    """Beyond checkpoints: a run-directory write that fails (here the final model on a full
+    disk) is a CheckpointError naming the file and the cause, not a raw OSError."""
+    from rl_trainer import lora
+    from rl_trainer.config import load_trainer_config
+    from rl_trainer.loop import Trainer
+
+    def full(policy, directory):
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "model.safetensors"))
+
+    monkeypatch.setattr(lora, "save_final", full)
+    run_dir = tmp_path / "run"
+    recipe = tiny_recipe_dict(run_dir, rl={"steps": 1}, eval={"every": 0})
+    with pytest.raises(CheckpointError) as err:
+        Trainer(load_trainer_config(recipe)).run()
+    msg = str(err.value)
+    assert str(run_dir / "final_model" / "model.safetensors") in msg and "ENOSPC" in msg
+    # an OSError outside the run directory is left as it is (not the run directory's fault)
+    assert ckpt_mod.run_dir_write_error(OSError(errno.ENOSPC, "x", "/elsewhere/f"), run_dir) is None

@@ -61,6 +61,7 @@ __all__ = [
     "plain_state",
     "restore_rng",
     "resume_checkpoint",
+    "run_dir_write_error",
     "verify_checkpoint",
     "write_checkpoint",
 ]
@@ -260,6 +261,24 @@ def _fs_cause(e: BaseException, directory: Path | None = None) -> str:
     return (
         f"{type(e).__name__}: {e}; {found + '; ' if found else ''}check free space (df), write "
         "permission and the file-size limit (ulimit -f) of that directory"
+    )
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def run_dir_write_error(e: OSError, run_dir: Path) -> CheckpointError | None:
+    """A :class:`CheckpointError` naming the file and the cause when ``e`` is a failed write of
+    a file under ``run_dir`` (full disk, read-only, no permission, file-size limit); else
+    ``None`` (the error is not the run directory's)."""
+    if e.errno not in _WRITE_ERRNOS or not e.filename:
+        return None
+    path = Path(os.fsdecode(e.filename)).absolute()
+    if not path.is_relative_to(run_dir.absolute()):
+        return None
+    return CheckpointError(
+        f"{path}: cannot be written ({_fs_cause(e)}). The newest complete checkpoint is "
+        "unchanged; fix the cause and continue with --resume."
     )
 
 

@@ -46,7 +46,7 @@ from rl_core.config import to_dict
 from rl_core.errors import RLError
 from rl_trainer import state as trainer_state
 from rl_trainer.assembly import Components, assemble, thread_split
-from rl_trainer.checkpoint import latest_checkpoint
+from rl_trainer.checkpoint import latest_checkpoint, run_dir_write_error
 from rl_trainer.config import TrainerConfig
 from rl_trainer.evaluation import EvalSet
 from rl_trainer.failures import FailureLog
@@ -210,10 +210,20 @@ class Trainer:
         :attr:`stopped_by` set to the signal, so ``--resume`` continues exactly where it
         stopped. A second signal exits the process at once (status ``128 + signal``) without a
         checkpoint; the newest complete checkpoint stays valid.
+
+        A file of the run directory that cannot be written (a full disk, a read-only file
+        system, no permission, the file-size limit) ends the run with a
+        :class:`~rl_core.errors.CheckpointError` naming the file and the cause.
         """
         self.stopped_by, self.stop_checkpoint = None, None
         with StopSignals() as self._stop_signals:
-            return asyncio.run(self._run())
+            try:
+                return asyncio.run(self._run())
+            except OSError as e:
+                named = run_dir_write_error(e, self.run_dir)
+                if named is None:
+                    raise
+                raise named from e
 
     async def _run(self) -> list[dict[str, Any]]:
         """Run the mode's phases in order (:func:`rl_trainer.phases.phases_for`) until one is stopped by a
