@@ -5,6 +5,7 @@ the real output path."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,31 @@ def test_eval_help_names_the_real_output_path():
     flat = " ".join(out.split())
     assert "RUN/eval/NAME/eval.json" in flat
     assert "CHECKPOINT/eval.json" not in flat
+
+
+def test_one_step_counter_across_phases(tmp_path, tiny_recipe_dict, capsys):
+    """SFT then RL: every record carries its phase's ``step`` and the ``global_step`` that
+    checkpoint names use; sample traces, ``rl-train show`` and ``rl-train eval`` name it too."""
+    from rl_trainer.cli import main
+    from rl_trainer.show import show_samples
+
+    records = _run(
+        tmp_path,
+        tiny_recipe_dict,
+        sft={"steps": 2, "batch_size": 8},
+        eval={"every": 1, "max_prompts": 2},
+        checkpoint={"every": 1, "keep": 10},
+        logging={"tensorboard": False, "progress": False, "samples_every": 2},
+    )
+    run = tmp_path / "run"
+    seen = [(r["phase"], r["step"], r["global_step"]) for r in records]
+    assert seen == [("sft", 1, 1), ("sft", 2, 2), ("rl", 0, 2), ("rl", 1, 3), ("rl", 2, 4)]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == [f"step_{g:06d}" for g in (1, 2, 3, 4)]
+    (line,) = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()][:1]
+    assert (line["step"], line["global_step"]) == (2, 4)
+    show_samples(run, step=2)
+    assert "RL step 2 (global step 4)" in capsys.readouterr().out
+    assert main(["eval", str(run / "checkpoints" / "step_000003")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["step"], summary["global_step"]) == (1, 3)

@@ -114,6 +114,8 @@ def run_eval(
             "give some."
         )
     out_path = Path(out) if out else trainer.run_dir / "eval.json"
+    # The checkpoint's step counted as its name counts it: SFT and RL steps together.
+    global_step = cfg.sft.steps + step if step is not None else 0
 
     async def main() -> dict[str, Any]:
         metrics = MetricsLogger(
@@ -130,7 +132,7 @@ def run_eval(
         try:
             trainer.generator = await build_generator(cfg, trainer.runtime, str(model_dir))
             result = await evaluation.evaluate(trainer, 0, every_set=True)
-            trainer.emit({"step": step or 0, "phase": "eval", **result})
+            trainer.emit({"step": step or 0, "phase": "eval", "global_step": global_step, **result})
         finally:
             metrics.close()
             if trainer.generator is not None:
@@ -140,6 +142,7 @@ def run_eval(
         return {
             "checkpoint": str(Path(checkpoint)),
             "step": step,
+            "global_step": global_step if step is not None else None,
             "wall_time_s": round(time.perf_counter() - t0, 3),
             "metrics": result,
             "config": to_dict(cfg),

@@ -269,18 +269,25 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- for phases
     def emit(self, rec: dict[str, Any]) -> None:
-        """Record and log one metrics record (with this process's wall time)."""
+        """Record and log one metrics record (with this process's wall time). ``step`` is the
+        step within its phase; ``global_step`` (added unless given) counts SFT and RL steps
+        together, as checkpoint names (``step_<global_step>``), TensorBoard and W&B do."""
         if self._metrics is None:
             raise RLError("Trainer.emit: call it from a phase, inside Trainer.run().")
+        rec.setdefault("global_step", self.state["sft_step"] + self.state["rl_step"])
         rec["perf/elapsed_s"] = time.perf_counter() - self._t_start  # wall time of this process
         self._records.append(rec)
-        self._metrics.log(rec, global_step=self.state["sft_step"] + self.state["rl_step"])
+        self._metrics.log(rec, global_step=int(rec["global_step"]))
 
     def log_samples(self, step: int, lines: list[dict[str, Any]]) -> None:
-        """Write sample trace ``lines`` of RL step ``step`` (:mod:`rl_trainer.samples`)."""
+        """Write sample trace ``lines`` of RL step ``step`` (:mod:`rl_trainer.samples`), each
+        labelled with its ``global_step`` too."""
         if self._metrics is None:
             raise RLError("Trainer.log_samples: call it from a phase, inside Trainer.run().")
-        self._metrics.log_samples(lines, global_step=self.state["sft_step"] + step)
+        global_step = self.state["sft_step"] + step
+        for line in lines:
+            line.setdefault("global_step", global_step)
+        self._metrics.log_samples(lines, global_step=global_step)
 
     def checkpoint_due(self) -> bool:
         """Whether the schedule (``checkpoint.every``) writes a checkpoint at the current step."""

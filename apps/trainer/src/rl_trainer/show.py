@@ -44,8 +44,10 @@ def show_samples(
             f"{', '.join(map(str, steps))}. Pass one of them to --step."
         )
     for g in chosen:
+        glob = f" (global step {g['global_step']})" if "global_step" in g else ""
         console.rule(
-            f"step {g['step']}  policy v{g['policy_version']}  prompt {escape(g['prompt_uid'])}"
+            f"RL step {g['step']}{glob}  policy v{g['policy_version']}  "
+            f"prompt {escape(g['prompt_uid'])}"
         )
         console.print(f"[bold]prompt[/]  {escape(str(g['prompt']))}")
         console.print(f"[bold]label[/]   {escape(str(g['label']))}")
