@@ -211,6 +211,8 @@ def test_every_public_name_is_documented(site: Path):
     missing = []
     for pkg, src in PACKAGES.items():
         for module in _public_modules(pkg, src):
+            if module not in inventory:
+                continue  # not on its page at all: the directive test names it
             path = ROOT / src / module.replace(".", "/")
             source = (
                 path.with_suffix(".py")
