@@ -628,6 +628,7 @@ class Sandbox:
                 **_drop_root_kwargs(self.drops_root, NOBODY if uid is None else uid),
             )
             timed_out = False
+            ns_init = _ns_init(proc.pid) if mode == "namespace" else None
             try:
                 proc.communicate(stdin.encode(), timeout=c.timeout_s)
             except subprocess.TimeoutExpired:
@@ -638,6 +639,8 @@ class Sandbox:
                 _kill_group(proc.pid)  # children the code left behind
                 # ... and those that left the group (setsid): the namespace modes' PID
                 # namespace died with its pid 1; here, by uid, or by the run's mark.
+                if ns_init is not None:  # killing unshare does not wait for its namespace
+                    _end_namespace(*ns_init)
                 if mode == "rlimits" and self.drops_root and uid is not None:
                     _kill_uid(uid)
                 elif mode == "rlimits":
@@ -742,6 +745,44 @@ def _give_away(root: Path, uid: int | None) -> None:
         for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
             with contextlib.suppress(OSError):
                 os.chown(name, uid, uid, follow_symlinks=False)
+
+
+def _ns_init(unshare_pid: int) -> tuple[int, str] | None:
+    """The pid 1 of the PID namespace ``unshare --fork`` (``unshare_pid``) made, and the
+    namespace's id (``/proc/<pid>/ns/pid``); ``None`` when it already ended."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{unshare_pid}/task/{unshare_pid}/children") as f:
+                kids = f.read().split()
+            if kids:
+                return int(kids[0]), os.readlink(f"/proc/{kids[0]}/ns/pid")
+        except (OSError, ValueError):
+            return None
+        time.sleep(0.001)
+    return None
+
+
+def _end_namespace(pid: int, ns: str) -> None:
+    """SIGKILL the namespace's pid 1 and wait until the namespace is empty: the kernel kills
+    and reaps every other process of it before pid 1 becomes a zombie."""
+    deadline = time.monotonic() + 10.0
+    killed = False
+    while time.monotonic() < deadline:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") != ns:
+                return  # gone, and the pid taken by another process
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        if not killed:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            killed = True
+        time.sleep(0.002)
 
 
 def _kill_group(pgid: int) -> None:
