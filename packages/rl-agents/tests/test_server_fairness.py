@@ -138,14 +138,32 @@ def test_a_1mib_message_does_not_stall_another_session(tok):
     assert small_done < big_done  # answered while the big one was still being worked on
 
 
-@pytest.mark.parametrize("where", ["generator", "hf_model", "config"])
+class _Wrapper(Generator):
+    """A generator wrapping another as ``inner`` (as ResumableGenerator does)."""
+
+    def __init__(self, inner: Generator) -> None:
+        self.inner = inner
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    async def generate(self, requests):
+        return await self.inner.generate(requests)
+
+    async def update_weights(self, update, transport) -> None:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("where", ["generator", "hf_model", "wrapped_hf_model", "config"])
 def test_prompt_over_the_model_context_is_refused_naming_the_limit(tok, where):
     """The limit comes from the model (not the tokenizer's 1,048,576 ``model_max_length``); a
     1 MiB message is refused before tokenizing it (fast), a slightly long one after."""
     assert tok.model_max_length > 10**6
     opts = {"max_context_tokens": 64} if where == "config" else {}
     gen = Echo(tok, context=64 if where == "generator" else None,
-               hf_context=64 if where == "hf_model" else None)  # fmt: skip
+               hf_context=64 if "hf_model" in where else None)  # fmt: skip
+    served = _Wrapper(gen) if where.startswith("wrapped") else gen
 
     async def body(server):
         server.open_session("s", sampling=SAMPLING)
@@ -163,7 +181,7 @@ def test_prompt_over_the_model_context_is_refused_naming_the_limit(tok, where):
             )
         return server, out, ok
 
-    server, out, ok = _serve(gen, tok, body, **opts)
+    server, out, ok = _serve(served, tok, body, **opts)
     assert server.max_context_tokens == 64
     for err, _ in out:
         assert err.status_code == 400 and "max_context_tokens=64" in err.message, err.message

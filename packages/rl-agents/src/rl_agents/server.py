@@ -31,7 +31,7 @@ none); any other name gets HTTP 404 ``model_not_found`` naming the served one.
 Prompt length. A request's prompt is refused with HTTP 400 ``context_length_exceeded`` naming
 the limit when it holds as many tokens as the context allows: ``Config.max_context_tokens`` or
 the model's own context (a generator's ``max_context_tokens`` attribute, or its HF model's
-``max_position_embeddings``), the smaller of the two; the tokenizer's ``model_max_length`` is
+``max_position_embeddings``, also through a wrapper's ``inner``), the smaller of the two; the tokenizer's ``model_max_length`` is
 not the model's context and is not used. A text too long for the limit by its size alone is
 refused before it is tokenized.
 
@@ -394,18 +394,20 @@ class AgentServer:
 
 def _model_context(generator: Generator) -> int | None:
     """The model's context in tokens as the generator tells it: its ``max_context_tokens``
-    attribute, or its HF model's ``config.max_position_embeddings``; ``None`` when it does not
-    say."""
-    for value in (
-        getattr(generator, "max_context_tokens", None),
-        getattr(
-            getattr(getattr(generator, "model", None), "config", None),
-            "max_position_embeddings",
-            None,
-        ),
-    ):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+    attribute, or its HF model's ``config.max_position_embeddings``, looking through wrappers
+    that keep the wrapped generator as ``inner`` (ResumableGenerator); ``None`` when none says."""
+    g: Any = generator
+    for _ in range(8):
+        if g is None:
+            break
+        model_config = getattr(getattr(g, "model", None), "config", None)
+        for value in (
+            getattr(g, "max_context_tokens", None),
+            getattr(model_config, "max_position_embeddings", None),
+        ):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        g = getattr(g, "inner", None)
     return None
 
 
