@@ -242,11 +242,14 @@ def _drop_root_kwargs(drop: bool, uid: int = NOBODY) -> dict:
 
 
 def _uid_in_use(uid: int) -> bool:
+    """True when a live (not zombie) process runs as ``uid``."""
     for pid in os.listdir("/proc"):
         try:
             if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
-                return True
-        except OSError:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rpartition(")")[2].split()[0] not in ("Z", "X"):
+                        return True
+        except (OSError, IndexError):
             pass
     return False
 
