@@ -36,6 +36,7 @@ from rl_core.config import (
 )
 from rl_core.errors import ConfigError
 from rl_core.locations import absolute_path
+from rl_core.logprobs import truncates
 from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import SamplingParams
 
@@ -679,6 +680,7 @@ def load_trainer_config(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}); mini-batches are whole "
             "groups, so choose a divisor."
         )
+    _default_stale_correction(cfg)
     overlong = cfg.rollout.overlong_penalty
     max_new = cfg.rollout.sampling.max_new_tokens
     if overlong is not None and overlong.max_length is None and overlong.band > max_new:
@@ -713,6 +715,25 @@ def load_trainer_config(
         )
     _check_light_components(cfg)
     return cfg
+
+
+def _default_stale_correction(cfg: TrainerConfig) -> None:
+    """Asynchronous generation trains on tokens up to ``rl.max_staleness`` versions old: unless
+    the recipe chooses ``algorithm.loss.correction`` itself, weigh them by truncated importance
+    sampling (``tis``: the ratio of the trainer's to the behaviour policy's log-probs, clipped at
+    2), the correction slime, verl and AReaL apply to stale rollouts. Measured on the Ray test
+    recipe (``benchmarks/results/learning_margins.json``): with staleness 1 the training-reward
+    gain over 30 steps rose from 0.037 to 0.053 (the synchronous run's 0.052), seeds 1-5.
+    Left off when the sampling truncates (``top_p``/``top_k``): whether the generator's log-probs
+    are renormalised is a generator property the config cannot see; set ``correction`` there."""
+    if not (cfg.rl.async_generation and cfg.rl.max_staleness >= 1):
+        return
+    if "correction" in cfg.algorithm.loss:
+        return
+    s = cfg.rollout.sampling
+    if truncates(s.top_p, s.top_k):
+        return
+    cfg.algorithm.loss = {**cfg.algorithm.loss, "correction": "tis"}
 
 
 def _inside(path: Any, directory: Path) -> bool:
