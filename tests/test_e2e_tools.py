@@ -5,24 +5,20 @@ unmodified OpenAI-client agent program trains through the agent adapter."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from rl_trainer.cli import recipe_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning_checks import CHECKS, assert_learns
+
 # A shortened calculator recipe for CI: smaller batches, fewer steps (see the recipe for the
-# full run and its numbers).
-SHORT = [
-    "sft.steps=200",
-    "rollout.prompts_per_step=8",
-    "task.n_eval=32",
-    "rl.steps=20",
-    "eval.every=10",
-    "checkpoint.every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-]
+# full run and its numbers; the thresholds' margins over seeds are in learning_checks).
+SHORT = list(CHECKS["calculator"].overrides)
 
 
 def _records(run_dir):
@@ -39,13 +35,9 @@ def test_calculator_tool_use_learns(tmp_path, cli):
     records = _records(run_dir)
     evals = [r for r in records if r.get("eval/reward_mean") is not None]
     assert evals[0]["phase"] == "rl" and evals[0]["step"] == 0
-    first, last = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
-    assert last >= first + 0.15, f"eval reward {first:.3f} -> {last:.3f}"
-    # It learned to call the tool: the warm-up model calls it about half of the time.
-    tool_first, tool_last = evals[0]["eval/tool_call_mean"], evals[-1]["eval/tool_call_mean"]
-    assert tool_first < 0.7 and tool_last > 0.9, f"tool calls {tool_first} -> {tool_last}"
-    rl = [r for r in records if r["phase"] == "rl" and r["step"] > 0]
-    assert sum(r["rollout/tool_call_mean"] for r in rl[-5:]) / 5 > 0.9
+    # It learned to call the tool (the warm-up model calls it about half of the time) and the
+    # held-out reward rose.
+    assert_learns("calculator", records)
 
 
 AGENT = '''
