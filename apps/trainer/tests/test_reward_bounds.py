@@ -171,3 +171,30 @@ def test_sigterm_stops_a_run_whose_reward_hangs(tmp_path, tiny_recipe_dict):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("phase") == "rl"][-1]
     assert last["step"] == 2 and last["rollout/failed/reward_timeout"] == 1
+
+
+def test_hung_async_reward_hits_its_per_call_limit(text_group, char_tokenizer):
+    async def reward(prompt, response, rollout=None):
+        if response == "x":
+            await asyncio.Event().wait()
+        return 1.0
+
+    scorer = Scorer(reward, char_tokenizer, timeout_s=0.3, round_timeout_s=None)
+    g = text_group("p0", ["x", "y"])
+    stats = RolloutStats()
+    t0 = time.monotonic()
+    asyncio.run(scorer.score([g], stats))
+    assert time.monotonic() - t0 < 1.5
+    assert "did not return within 0.3 s" in stats.first["reward_timeout"].error
+
+
+def test_calls_queued_behind_a_hung_one_meet_the_round_deadline(text_group, char_tokenizer):
+    """Synchronous calls queue behind a hung one; at the round's deadline the running one and
+    the queued ones are given up together."""
+    scorer = Scorer(_hang_on("a"), char_tokenizer, timeout_s=None, round_timeout_s=0.4)
+    g = text_group("p0", ["a", "b", "c"])
+    stats = RolloutStats()
+    t0 = time.monotonic()
+    asyncio.run(scorer.score([g], stats))
+    assert time.monotonic() - t0 < 1.5
+    assert stats.failed == {"reward_timeout": 3}

@@ -36,6 +36,7 @@ STOP_GRACE_S = 2.0
 """After a stop signal, how long a running call may still take before it is abandoned."""
 
 _POLL_S = 0.05
+_STOP_POLL_S = 0.25
 
 
 class CallAbandoned(Exception):
@@ -48,6 +49,7 @@ class _Job:
     args: tuple[Any, ...]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    started_future: asyncio.Future
     started: float | None = None
     done: bool = False
     cancelled: bool = False
@@ -68,7 +70,13 @@ class _SyncRunner:
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Job:
         loop = asyncio.get_running_loop()
-        job = _Job(fn=fn, args=args, loop=loop, future=loop.create_future())
+        job = _Job(
+            fn=fn,
+            args=args,
+            loop=loop,
+            future=loop.create_future(),
+            started_future=loop.create_future(),
+        )
         with self._lock:
             self._ensure_thread()
         self._queue.put(job)
@@ -100,6 +108,8 @@ class _SyncRunner:
                 if job.cancelled:
                     continue
                 job.thread, job.started = me, time.monotonic()
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                job.loop.call_soon_threadsafe(_settle, job.started_future, True, None)
             try:
                 result, error = job.fn(*job.args), None
             except BaseException as e:  # handed to the caller
@@ -151,25 +161,27 @@ class BoundedCaller:
         runs past ``timeout_s``, past ``deadline`` (a :func:`time.monotonic` time) or on in a
         stopping run."""
         if is_async(fn):
-            task = asyncio.ensure_future(fn(*args))
-            try:
-                return await self._wait(task, time.monotonic, deadline, task.cancel)
-            finally:
-                if not task.done():
-                    task.cancel()
+            return await self._await(fn(*args), deadline)
         job = self._runner.submit(fn, args)
         value = await self._wait(
-            job.future, lambda: job.started, deadline, lambda: self._runner.abandon(job)
+            job.future,
+            lambda: job.started,
+            deadline,
+            lambda: self._runner.abandon(job),
+            job.started_future,
         )
         if inspect.isawaitable(value):  # a plain function that returned an awaitable
-            task = asyncio.ensure_future(value)
-            start = time.monotonic()
-            try:
-                return await self._wait(task, lambda: start, deadline, task.cancel)
-            finally:
-                if not task.done():
-                    task.cancel()
+            return await self._await(value, deadline)
         return value
+
+    async def _await(self, awaitable: Any, deadline: float | None) -> Any:
+        task = asyncio.ensure_future(awaitable)
+        start = time.monotonic()
+        try:
+            return await self._wait(task, lambda: start, deadline, task.cancel)
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _wait(
         self,
@@ -177,14 +189,37 @@ class BoundedCaller:
         started: Callable[[], float | None],
         deadline: float | None,
         give_up: Callable[[], Any],
+        started_future: asyncio.Future | None = None,
     ) -> Any:
+        """Wait for ``fut``, waking only when a limit may have passed: a queued call (not
+        ``started`` yet) at its start or the deadline; a running one at its time limit, the
+        deadline, or every :data:`_STOP_POLL_S` for a stop signal (every :data:`_POLL_S` once
+        one came)."""
         stop_seen: float | None = None
         while not fut.done():
-            await asyncio.wait({fut}, timeout=_POLL_S)
+            now = time.monotonic()
+            t0 = started()
+            if t0 is None and started_future is not None and not started_future.done():
+                left = None if deadline is None else max(deadline - now, 0.0)
+                await asyncio.wait(
+                    {fut, started_future}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not (fut.done() or started_future.done()):
+                    give_up()
+                    raise CallAbandoned(
+                        "was still queued behind other calls at the round's deadline "
+                        "(rollout.reward_round_timeout_s); the call was abandoned"
+                    )
+                continue
+            waits = [_POLL_S if stop_seen is not None else _STOP_POLL_S]
+            if self.timeout_s is not None and t0 is not None:
+                waits.append(t0 + self.timeout_s - now)
+            if deadline is not None:
+                waits.append(deadline - now)
+            await asyncio.wait({fut}, timeout=max(min(waits), 0.0) + 1e-3)
             if fut.done():
                 break
             now = time.monotonic()
-            t0 = started()
             why = None
             if self.timeout_s is not None and t0 is not None and now - t0 > self.timeout_s:
                 why = f"did not return within {self.timeout_s:g} s (rollout.reward_timeout_s)"

@@ -402,7 +402,11 @@ def _sample(
     if target.set_name == "train" and cfg.rollout.generate_fn is not None and prompts:
         _probe_generate_fn(report, cfg, tokenizer, prompts[0])
     recorder = _Recorder(target.reward) if target.reward is not None else None
-    scorer = Scorer(recorder, tokenizer) if recorder is not None else None
+    scorer = (
+        Scorer(recorder, tokenizer, timeout_s=cfg.rollout.reward_timeout_s)
+        if recorder is not None
+        else None
+    )
     failures: list[str] = []
     low_label: list[str] = []
     high_dummy: list[str] = []
