@@ -60,3 +60,23 @@ def test_prompt_plus_budget_within_the_context_passes(tmp_path, tiny_recipe_dict
     trainer = Trainer(load_trainer_config(recipe))
     assert len(trainer.parts.train_data) == 3
     assert trainer.parts.train_data.state_dict()["position"] == 0  # the check left the cursor
+
+
+def test_check_reports_both_before_any_weights(tmp_path, tiny_recipe_dict):
+    """``rl-train check`` names the same problems (it builds no model)."""
+    import yaml
+
+    from rl_trainer.check import check_recipe
+
+    long = {"prompt": " ".join(["word"] * 80), "label": "x"}
+    data, recipe = _data_recipe(
+        tmp_path, tiny_recipe_dict, [{"prompt": "ab", "label": "ba"}, long], context=64, max_new=8
+    )
+    recipe["rollout"]["routing_replay"] = "replay"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    report = check_recipe(path, rows=1)
+    where = {f.where: f.message for f in report.problems}
+    assert "needs a mixture-of-experts model" in where["rollout.routing_replay"]
+    assert f"{data}:2 has " in where["data.train"]
+    assert not (tmp_path / "run" / "init_model").exists()

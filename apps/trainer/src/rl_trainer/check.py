@@ -15,7 +15,11 @@ It does what the trainer does up to the first generation, and stops there:
 6. with a ``rollout.generate_fn``, calls it once on a train prompt with a generator that ends
    every request at once (EOS): a function that raises or returns an empty list or something
    other than a list of ``Rollout`` is a problem now, not at the first round (a plain, not
-   ``async``, function is refused when it is built, in ``check`` and ``run`` alike).
+   ``async``, function is refused when it is built, in ``check`` and ``run`` alike);
+7. checks what the model cannot honour, as ``run`` does before building it
+   (:mod:`rl_trainer.load_checks`): ``rollout.routing_replay`` on a dense model, and train
+   prompts that with ``rollout.sampling.max_new_tokens`` pass the model's context (named by
+   file and line).
 
 Each finding is a *problem* (the run would fail or train on garbage: exit status 1) or a
 *warning* (worth a look, exit status 0; ``--strict`` makes warnings fail too):
@@ -379,9 +383,17 @@ def _targets(report: CheckReport, cfg: TrainerConfig, data_dir: Path) -> list[_E
 
 
 def _sample(
-    report: CheckReport, cfg: TrainerConfig, target: _EvalTarget, tokenizer: Any, rows: int
+    report: CheckReport,
+    cfg: TrainerConfig,
+    target: _EvalTarget,
+    tokenizer: Any,
+    rows: int,
+    model_cfg: dict[str, Any] | None = None,
+    model_path: str = "",
 ) -> None:
-    """Read one data set, render ``rows`` prompts and score the test responses on them."""
+    """Read one data set, check that the train prompts fit the model's context with the
+    response budget (:func:`rl_trainer.load_checks.check_context`), render ``rows`` prompts
+    and score the test responses on them."""
     ok, source = _attempt(
         report,
         target.field,
@@ -389,6 +401,17 @@ def _sample(
     )
     if not ok:
         return
+    if target.set_name == "train" and model_cfg and cfg.mode != "sft":
+        from rl_trainer.load_checks import check_context
+
+        budget = ("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens)
+        _attempt(
+            report,
+            target.field,
+            lambda: check_context(
+                model_cfg, model_path, [(target.field, source, None, budget[1], budget[0])]
+            ),
+        )
     prompts: list[Prompt] = source.next_prompts(min(rows, len(source)))
     if target.set_name == "train" and cfg.sft.steps > 0:
         unlabelled = [p.uid for p in prompts if p.label is None]
@@ -474,10 +497,40 @@ def check_recipe(
     _check_components(report, cfg, model_path)
     if not ok:
         return report
+    model_cfg = _model_limits(report, cfg, tokenizer, model_path)
     with tempfile.TemporaryDirectory(prefix="rl-check-") as tmp:  # a task's splits go here
         for target in _targets(report, cfg, Path(tmp)):
-            _sample(report, cfg, target, tokenizer, rows)
+            _sample(report, cfg, target, tokenizer, rows, model_cfg, model_path)
     return report
+
+
+def _model_limits(
+    report: CheckReport, cfg: TrainerConfig, tokenizer: Any, model_path: str
+) -> dict[str, Any] | None:
+    """The model's config (``model.path``'s ``config.json``, or the one ``model.init`` would
+    build; no weights), after the checks of what it cannot honour that need no data
+    (:func:`rl_trainer.load_checks.check_routing`)."""
+    from rl_trainer.load_checks import check_routing, read_model_config
+
+    def config() -> dict[str, Any]:
+        if cfg.model.path:
+            return read_model_config(cfg.model.path)
+        from rl_hf.tiny import TinyModelSpec, tiny_model_config
+
+        spec = from_dict(
+            TinyModelSpec, {"seed": cfg.seed, **(cfg.model.init or {})}, path="model.init"
+        )
+        return tiny_model_config(spec, tokenizer).to_dict()
+
+    ok, model_cfg = _attempt(report, "model", config)
+    if not ok:
+        return None
+    _attempt(
+        report,
+        "rollout.routing_replay",
+        lambda: check_routing(cfg.rollout.routing_replay, model_cfg, model_path),
+    )
+    return model_cfg
 
 
 class _ProbeGenerator:
