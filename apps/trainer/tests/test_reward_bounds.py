@@ -198,3 +198,33 @@ def test_calls_queued_behind_a_hung_one_meet_the_round_deadline(text_group, char
     asyncio.run(scorer.score([g], stats))
     assert time.monotonic() - t0 < 1.5
     assert stats.failed == {"reward_timeout": 3}
+
+
+def test_main_thread_rewards_run_inline(text_group, char_tokenizer):
+    """math_equiv's own timeout is SIGALRM (main thread only): it is called on the main thread;
+    other synchronous rewards in the worker thread."""
+    from rl_core.rewards.math_answer import MathEquiv
+
+    assert MathEquiv.main_thread
+    threads: list[str] = []
+
+    class Inline:
+        main_thread = True
+
+        def __call__(self, prompt, response, rollout=None):
+            threads.append(threading.current_thread().name)
+            return 1.0
+
+    asyncio.run(
+        Scorer(Inline(), char_tokenizer, timeout_s=5).score(
+            [text_group("p", ["a"])], RolloutStats()
+        )
+    )
+    asyncio.run(
+        Scorer(
+            lambda p, t, r=None: threads.append(threading.current_thread().name) or 1.0,
+            char_tokenizer,
+            timeout_s=5,
+        ).score([text_group("p", ["a"])], RolloutStats())
+    )
+    assert threads == ["MainThread", "rl-user-call"]

@@ -8,7 +8,10 @@ the call instead of waiting for it:
   the calls were made (as if it ran inline); a call past its deadline is left running in its
   thread, which is marked abandoned (it exits once the call returns, if ever, and never blocks
   the process's exit), and a fresh thread takes the next calls;
-- an ``async`` function runs as a task on the event loop and is cancelled past its deadline.
+- an ``async`` function runs as a task on the event loop and is cancelled past its deadline;
+- a function whose ``main_thread`` attribute is true (:class:`~rl_core.rewards.math_answer.MathEquiv`,
+  whose own timeout is ``SIGALRM``, which only the main thread gets) is called inline, bounded
+  by that timeout alone.
 
 A call is also abandoned once it has run :data:`STOP_GRACE_S` after a stop signal
 (:func:`rl_trainer.stopping.stop_requested`), so SIGTERM stops a run whose reward hangs (calls
@@ -162,6 +165,9 @@ class BoundedCaller:
         stopping run."""
         if is_async(fn):
             return await self._await(fn(*args), deadline)
+        if getattr(fn, "main_thread", False):  # bounded by its own (signal-based) timeout
+            value = fn(*args)
+            return await self._await(value, deadline) if inspect.isawaitable(value) else value
         job = self._runner.submit(fn, args)
         value = await self._wait(
             job.future,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from rl_core.config import NonNegInt, PositiveInt
 from rl_core.errors import ConfigError, RewardError
@@ -37,6 +37,11 @@ class MathEquiv:
 
     Registered as ``math_equiv``. A list label accepts any of its answers.
     """
+
+    main_thread: ClassVar[bool] = True
+    """Call it on the main thread: math-verify's ``timeout_seconds`` is a ``SIGALRM`` alarm,
+    which works only there (the trainer runs other synchronous rewards in a worker thread it
+    can abandon, :mod:`rl_trainer.bounded`)."""
 
     @dataclass(frozen=True, slots=True, kw_only=True)
     class Config:
