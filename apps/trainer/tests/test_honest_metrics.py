@@ -68,6 +68,11 @@ def test_half_failing_reward_shows_in_training_and_eval_means(
     for r in evals:
         assert r["eval/failed_fraction"] == pytest.approx(0.5)
         assert r["eval/reward_mean"] == pytest.approx(0.5)
+    from rl_trainer.report import build_figure  # the report draws the fraction by the mean
+
+    reward = next(ax for ax in build_figure({"run": records}).axes if ax.get_title() == "Reward")
+    labels = {line.get_label() for line in reward.get_lines()}
+    assert {"rollout/failed_fraction", "eval/failed_fraction"} <= labels, labels
 
 
 def test_progress_bar_shows_failures(tmp_path):

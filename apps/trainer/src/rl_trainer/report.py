@@ -27,7 +27,16 @@ STEP_TIME = [
 """The parts of an RL step's time, as the step-time panel shows them (metric, label)."""
 
 PANELS = [
-    ("Reward", ["rollout/reward_mean", "eval/reward_mean", "eval/exact_mean"]),
+    (  # a failed rollout scores 0 in the means; the failed fractions beside them
+        "Reward",
+        [
+            "rollout/reward_mean",
+            "eval/reward_mean",
+            "eval/exact_mean",
+            "rollout/failed_fraction",
+            "eval/failed_fraction",
+        ],
+    ),
     ("Loss", ["train/loss"]),
     ("KL / entropy", ["train/kl", "train/entropy"]),
     ("Throughput (tokens/s)", ["perf/rollout_tokens_per_s", "perf/train_tokens_per_s"]),
