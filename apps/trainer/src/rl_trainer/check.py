@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rl_core import registry
-from rl_core.config import ComponentSpec, from_dict
+from rl_core.config import ComponentSpec, from_dict, to_dict
 from rl_core.errors import RLError
 from rl_core.interfaces import GenerateFn, GroupFilter, GroupRewardFn, RewardFn
 from rl_core.types import (
@@ -71,6 +71,7 @@ from rl_trainer.build import (
     validate_spec,
 )
 from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.presets import PRESET_SECTIONS, load_preset, shadowed_keys
 from rl_trainer.rollout import RolloutStats, Scorer
 
 __all__ = ["DUMMY_RESPONSES", "CheckReport", "Finding", "SampleRow", "check_recipe", "print_report"]
@@ -123,6 +124,14 @@ class CheckReport:
     """Problems and warnings, in the order found."""
     rows: list[SampleRow] = field(default_factory=list)
     """Sample prompts of every data set."""
+    preset: str | None = None
+    """The algorithm preset applied under the recipe (``preset:`` or ``--preset``), if any."""
+    merged: dict[str, Any] = field(default_factory=dict)
+    """With a preset: the sections a preset may set (``algorithm``, ``rollout``, ``rl``,
+    ``critic``, ``teacher``) of the merged config, as plain data."""
+    replaced: list[str] = field(default_factory=list)
+    """With a preset: the dotted keys the preset sets whose value the recipe (or ``--set``)
+    replaced."""
 
     @property
     def problems(self) -> list[Finding]:
@@ -492,6 +501,11 @@ def check_recipe(
     ok, cfg = _attempt(report, "recipe", lambda: load_trainer_config(recipe, list(overrides)))
     if not ok:
         return report
+    if cfg.preset is not None:
+        plain = to_dict(cfg)
+        report.preset = str(cfg.preset)
+        report.merged = {k: plain[k] for k in PRESET_SECTIONS if plain.get(k) is not None}
+        report.replaced = shadowed_keys(load_preset(report.preset), plain)
     ok, tokenizer = _attempt(report, "model", lambda: load_tokenizer(cfg))
     model_path = cfg.model.path or str(cfg.run_path / "init_model")
     _check_components(report, cfg, model_path)
@@ -654,6 +668,23 @@ def print_report(report: CheckReport, console: Any = None) -> None:
                 _fmt(r.label_reward),
             )
         console.print(table)
+    if report.preset is not None:
+        import yaml
+
+        console.print(
+            Text(
+                f"merged config under preset {report.preset!r} (the recipe's values win):",
+                style="bold",
+            )
+        )
+        console.print(Text(yaml.safe_dump(report.merged, sort_keys=False).rstrip()))
+        if report.replaced:
+            console.print(
+                Text(
+                    f"preset {report.preset!r} values replaced by the recipe or --set: "
+                    + ", ".join(report.replaced)
+                )
+            )
     for f in report.findings:
         style = "bold red" if f.level == "problem" else "yellow"
         line = Text(f"{f.level.upper()} ", style=style)

