@@ -80,7 +80,11 @@ def hf(tmp_path_factory):
     )
     # No EOS stop: the long turn must still be running when the update lands (a sampled EOS
     # ended it early under load and the test saw no interruption).
-    gen = HFGenerator(HFGenerator.Config(model_path=str(path), stop_on_eos=False))
+    # The plain transformers decode (not the lean one): 400 tokens must outlast the 0.1 s the
+    # test waits before the update; the lean decode finished them first on a quiet machine.
+    gen = HFGenerator(
+        HFGenerator.Config(model_path=str(path), stop_on_eos=False, fast_decode=False)
+    )
     yield gen
     asyncio.run(gen.close())
 
