@@ -122,6 +122,38 @@ def mini_batches(run: Trainer, batch: TrainBatch, groups: Sequence[Group]) -> li
     return out
 
 
+PER_TOKEN_METRICS = (
+    "entropy",
+    "kl",
+    "ppo_kl",
+    "mismatch",
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "opsm_clipfrac",
+    "tis_weight_mean",
+    "tis_clipfrac",
+    "tis_veto_frac",
+)
+"""Loss metrics that are per-token means: the losses report them as ``sum_t x_t w_t`` with the
+loss weights ``w``, which sum to 1 under ``token`` aggregation but to ``tokens / (constant *
+sequences)`` under ``constant`` (Dr.GRPO); :func:`per_token_means` divides by that sum."""
+
+
+def per_token_means(
+    record: dict[str, float], batch: TrainBatch, aggregation: str
+) -> dict[str, float]:
+    """``record`` (one ``train_step``'s metrics on ``batch``) with the :data:`PER_TOKEN_METRICS`
+    as per-token means: under ``aggregation: constant`` every loss token weighs the same
+    ``1 / (constant * sequences)``, so dividing the weighted sum by the weights' sum gives the
+    plain mean over the loss tokens; other aggregations are returned unchanged."""
+    if aggregation != "constant":
+        return record
+    total = float((batch.loss_weights.double() * batch.loss_mask.double()).sum())
+    if total <= 0:
+        return record
+    return {k: (v / total if k in PER_TOKEN_METRICS else v) for k, v in record.items()}
+
+
 def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
     """Per key, the mean over the updates that reported it (a single update: its values)."""
     if len(records) == 1:
@@ -147,7 +179,8 @@ def optimize(
     critic_records: list[dict[str, float]] = []
     for _epoch in range(run.config.rl.ppo_epochs):
         for mb in minis:
-            policy_records.append(run.policy.train_step(mb, run.parts.loss_fn))
+            record = run.policy.train_step(mb, run.parts.loss_fn)
+            policy_records.append(per_token_means(record, mb, run.config.algorithm.aggregation))
             if run.critic is not None:
                 critic_records.append(run.critic.train_step(mb, run.parts.value_loss_fn))
     critic = _mean_metrics(critic_records) if critic_records else None

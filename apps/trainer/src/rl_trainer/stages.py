@@ -517,7 +517,8 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
     record: dict[str, Any] = {
         "train/loss": m["loss"],
         "train/grad_norm": m["grad_norm"],
-        "train/kl": m.get("kl", m.get("ppo_kl")),
+        # the KL to the reference model only; the policy's move over the step is train/ppo_kl
+        "train/kl": m.get("kl"),
         "train/entropy": m.get("entropy"),
     }
     for k in (
