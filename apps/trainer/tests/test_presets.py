@@ -111,6 +111,7 @@ def _assert_dapo(cfg):
     assert cfg.rollout.overlong_penalty is not None and cfg.rollout.overlong_penalty.band == 4
     assert cfg.rl.mini_batches_per_step == 4
     assert cfg.algorithm.loss["eps_clip_high"] == 0.28
+    assert cfg.rollout.surplus_groups == "discard"
 
 
 def test_cli_run_demo_with_preset_dapo(tmp_path, tiny_recipe_dict, capsys):
@@ -131,6 +132,9 @@ def test_cli_run_demo_with_preset_dapo(tmp_path, tiny_recipe_dict, capsys):
     for r in steps:
         assert r["train/optimizer_steps"] == 4
         assert "rollout/dynamic_filter/keep_rate" in r and "rollout/overlong_penalty_mean" in r
+        assert r["rollout/dynamic_filter/surplus"] == 0  # none carried over
+    # over-sampling by 1.5 overshoots the batch: what it kept beyond it was discarded
+    assert sum(r.get("rollout/dynamic_filter/surplus_discarded", 0) for r in steps) > 0
 
 
 def test_preset_on_the_new_template_runs(tmp_path, tiny_recipe_dict):
@@ -236,3 +240,23 @@ def test_recipes_lists_examples_and_presets_apart(capsys):
     assert "demo" in examples and "calculator" in examples and "dapo" not in examples
     assert all(f"  {name}\n" in presets for name in list_presets())
     assert "demo" in list_examples() and "dapo" not in list_examples()
+
+
+@pytest.mark.parametrize("surplus", ["carry", "discard"])
+def test_surplus_groups_are_carried_or_discarded(surplus, text_group):
+    """The sampler keeps 5 groups for a batch of 2: ``carry`` keeps 3 for the next step (the
+    default), ``discard`` (the dapo preset: DAPO's paper and verl's recipe) drops them."""
+    from rl_buffer.sampler import DynamicSampler
+
+    sampler = DynamicSampler(DynamicSampler.Config(batch_size=2, surplus=surplus))
+    sampler.add([text_group(f"p{i}", ["ab", "ba"]) for i in range(5)])
+    assert [g.prompt.uid for g in sampler.pop_batch()] == ["p0", "p1"]
+    m = sampler.last_step_metrics
+    if surplus == "carry":
+        assert sampler.num_kept == 3 and m["rollout/dynamic_filter/surplus"] == 3
+    else:
+        assert sampler.num_kept == 0 and m["rollout/dynamic_filter/surplus"] == 0
+        assert m["rollout/dynamic_filter/surplus_discarded"] == 3
+        assert sampler.totals["surplus_discarded"] == 3
+    assert load_trainer_config(recipe_path("dapo")).rollout.surplus_groups == "discard"
+    assert load_trainer_config(recipe_path("demo")).rollout.surplus_groups == "carry"

@@ -122,6 +122,7 @@ def assemble(cfg: TrainerConfig) -> Components:
             batch_size=cfg.rollout.prompts_per_step,
             over_sampling_factor=cfg.rollout.over_sampling_factor,
             max_rounds=cfg.rollout.max_rounds,
+            surplus=cfg.rollout.surplus_groups,
         ),
         filters,
     )

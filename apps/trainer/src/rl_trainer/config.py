@@ -134,6 +134,11 @@ class RolloutConfig:
     """Group filters (dynamic sampling); dropped groups are replaced by over-sampling."""
     over_sampling_factor: Annotated[float, Range(ge=1)] = 1.0
     """With filters: ask for this many times the prompts the observed keep rate suggests."""
+    surplus_groups: Literal["carry", "discard"] = "carry"
+    """Kept groups beyond ``prompts_per_step`` once a step's batch is full (over-sampling
+    overshoots): ``carry`` them over to the next step (within ``rl.max_staleness``), or
+    ``discard`` them as the DAPO paper and verl's DAPO recipe do (the ``dapo`` preset);
+    counted in ``rollout/dynamic_filter/surplus_discarded``."""
     overlong_penalty: OverlongPenalty.Config | None = None
     """DAPO's soft overlong punishment added to every training rollout's reward before the
     filters see it (``{band: 4, max_length: 12, coef: 1.0}``; ``max_length`` defaults to

@@ -2,7 +2,8 @@
 
 The sampler does not generate; it tells the caller how many prompts to generate next, filters
 what comes back, counts drop reasons, and carries surplus kept groups over to the next step
-(slime discards them)::
+(``surplus="carry"``) or discards them (``surplus="discard"``, as slime, verl's DAPO recipe and
+the DAPO paper do)::
 
     sampler = DynamicSampler(DynamicSampler.Config(batch_size=32), [RewardStdFilter()])
     while not sampler.full:
@@ -22,7 +23,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from rl_buffer.filters import apply_filters
 from rl_core.config import PositiveInt, Range
@@ -56,6 +57,9 @@ class DynamicSampler:
         """Upper bound on one request (prompts); ``None``: no bound."""
         max_rounds: PositiveInt = 64
         """Rounds per step before :class:`SamplingExhaustedError` is raised."""
+        surplus: Literal["carry", "discard"] = "carry"
+        """Kept groups beyond ``batch_size`` when a batch is popped: ``carry`` them over to the
+        next step, or ``discard`` them (counted as ``surplus_discarded``)."""
 
         def __post_init__(self) -> None:
             if self.batch_size < 1:
@@ -70,6 +74,8 @@ class DynamicSampler:
                 )
             if self.max_rounds < 1:
                 raise ConfigError(f"sampler.max_rounds: must be >= 1, got {self.max_rounds}.")
+            if self.surplus not in ("carry", "discard"):
+                raise ConfigError(f"sampler.surplus: 'carry' or 'discard', got {self.surplus!r}.")
 
     def __init__(self, config: DynamicSampler.Config, filters: Sequence[GroupFilter] = ()) -> None:
         self.config = config
@@ -153,6 +159,10 @@ class DynamicSampler:
                 "keep adding groups until `full`."
             )
         out = [self._kept.popleft() for _ in range(self.config.batch_size)]
+        if self.config.surplus == "discard" and self._kept:
+            self._step["surplus_discarded"] += len(self._kept)
+            self.totals["surplus_discarded"] += len(self._kept)
+            self._kept.clear()
         m = {f"rollout/dynamic_filter/{k}": float(v) for k, v in self._step.items()}
         seen = self._step["seen"]
         m["rollout/dynamic_filter/keep_rate"] = self._step["kept"] / seen if seen else 1.0
