@@ -260,3 +260,34 @@ def test_surplus_groups_are_carried_or_discarded(surplus, text_group):
         assert sampler.totals["surplus_discarded"] == 3
     assert load_trainer_config(recipe_path("dapo")).rollout.surplus_groups == "discard"
     assert load_trainer_config(recipe_path("demo")).rollout.surplus_groups == "carry"
+
+
+def test_extends_a_recipe_beside_it_below_the_preset(tmp_path, tiny_recipe_dict):
+    """`extends:` a relative path: base < preset < the extending recipe's own values; a loop
+    and a missing base are ConfigErrors naming the file or the bundled names."""
+    base = tiny_recipe_dict(tmp_path / "run", algorithm={"advantage": "rloo"})
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    (tmp_path / "mine.yaml").write_text(
+        "extends: base.yaml\npreset: dr_grpo\nrl: {steps: 3}\nalgorithm: {aggregation: token}\n"
+    )
+    cfg = load_trainer_config(tmp_path / "mine.yaml")
+    assert cfg.algorithm.advantage == "dr_grpo"  # the preset over the base
+    assert cfg.algorithm.aggregation == "token"  # the recipe's own value over the preset
+    assert cfg.rl.steps == 3 and cfg.task == load_trainer_config(base).task
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_trainer_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nothere\n")
+    with pytest.raises(ConfigError, match="no bundled recipe of that name.*demo"):
+        load_trainer_config(tmp_path / "c.yaml")
+
+
+def test_every_preset_sets_only_preset_sections_and_cites_its_source():
+    from rl_trainer.presets import PRESET_SECTIONS, _folder
+
+    for name in list_presets():
+        assert set(load_preset(name)) <= set(PRESET_SECTIONS), name
+        text = (_folder("presets") / f"{name}.yaml").read_text()
+        assert text.startswith("# Preset: "), name
+        assert any(peer in text for peer in ("verl", "slime", "OpenRLHF", "TRL")), name
