@@ -145,15 +145,15 @@ CHECKS: dict[str, Check] = {
         recipe=RAY_RECIPE,
         overrides=(*LOCAL, *ASYNC1, "rl.partial_rollouts=true", "generator.max_batch_size=1"),
         stats={"train_gain_15": lambda rows: train_gain(rows, 15)},
-        # seeds 1-5: 0.119 +- 0.037 (min 0.063): 2.7 sd
-        thresholds={"train_gain_15": 0.02},
+        # seeds 1-8: 0.114 +- 0.040 (min 0.022; where aborts land varies run to run): 2.7 sd
+        thresholds={"train_gain_15": 0.005},
     ),
     "ray_megatron": Check(
         doc="tests/test_e2e_ray.py: the Megatron TP=2 and DP=2 runs (measured with one rank)",
         recipe=RAY_RECIPE,
         overrides=(*LOCAL, "policy.type=megatron", "model.init.num_kv_heads=2"),
         stats={"train_gain_15": lambda rows: train_gain(rows, 15)},
-        # seeds 1-5: 0.162 +- 0.025 (min 0.126): 5.3 sd
+        # seeds 1-8: 0.157 +- 0.023 (min 0.126): 5.5 sd
         thresholds={"train_gain_15": 0.03},
     ),
     "demo150": Check(
