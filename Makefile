@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
-EDITABLES := -e "packages/rl-core[yaml,test,math,dev]" -e "packages/rl-hf[test,gguf,lora]" -e "packages/rl-agents[test]" \
+EDITABLES := -e "packages/rl-core[yaml,test,math,dev,docs]" -e "packages/rl-hf[test,gguf,lora]" -e "packages/rl-agents[test]" \
              -e "packages/rl-buffer[parquet,datasets]" \
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
              -e "apps/trainer[ray,wandb]"
@@ -18,7 +18,7 @@ CONSTRAINTS := constraints.txt
 PIP_VERSION := 26.3
 TOOLS := ruff build
 
-.PHONY: setup lock check-packages sglang-env sglang-lock real-model demo test test-long test-gpu lint format bench clean
+.PHONY: setup lock docs check-packages sglang-env sglang-lock real-model demo test test-long test-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ lock:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 	rm -rf .lock-venv
 	@echo "constraints.txt updated: review 'git diff constraints.txt', then 'make setup'"
+
+# The API reference site (guides in docs/ + one reference page per package, from the
+# docstrings) into site/; a warning (broken link or cross-reference) fails the build.
+docs: setup
+	$(BIN)/mkdocs build --strict
 
 # Build every distribution (wheel + sdist), `twine check --strict` them, and check that each
 # ships LICENSE and py.typed (tests/test_packaging.py does the same inside `make test`).
