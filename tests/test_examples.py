@@ -75,9 +75,9 @@ def test_megatron_policy_cpu() -> None:
     assert "log-probs vs transformers" in out and "SFT loss over two steps" in out, out
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_sglang_generate() -> None:
-    """Starts a real SGLang server (about a minute on a CPU), so ``long``."""
+    """Starts a real SGLang server (about 30 s on a quiet 2-core CPU)."""
     from rl_sglang import _cpu_support
 
     py = _cpu_support.default_python()
