@@ -40,6 +40,9 @@ EXPECTED = {
     "rloo_advantages",
     "rollout_token_counts",
     "value_loss",
+    "sequences_to_train",
+    "skip_blocker",
+    "zero_advantage_sequences",
 }
 
 

@@ -57,6 +57,11 @@ from rl_core.algorithms.losses import (
     distillation_advantages,
     value_loss,
 )
+from rl_core.algorithms.skipping import (
+    sequences_to_train,
+    skip_blocker,
+    zero_advantage_sequences,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -91,5 +96,8 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "rollout_token_counts",
+    "sequences_to_train",
+    "skip_blocker",
     "value_loss",
+    "zero_advantage_sequences",
 ]
