@@ -170,6 +170,11 @@ class AgentServer:
         return f"{self.root_url}/v1"
 
     @property
+    def served_model(self) -> str:
+        """The model id reported when a request names none (``Config.model_name``)."""
+        return self.config.model_name
+
+    @property
     def root_url(self) -> str:
         """``http://host:port``, the Anthropic client's ``base_url`` (it appends ``/v1``)."""
         if self._port is None:
@@ -269,11 +274,11 @@ class AgentServer:
             raise HTTPError(401, f"session {sid!r} is not open on this server.", "session_unknown")
         return s
 
-    def check_model(self, name: Any) -> None:
+    def check_model(self, name: Any) -> str | None:
         """HTTP 404 naming the served model when a request names another one (a missing name
         is the served one)."""
         if name is None or name == "":
-            return
+            return None
         served = self.config.model_name
         if name != served and name not in self.config.model_aliases:
             also = f" (or {', '.join(map(repr, self.config.model_aliases))})" * bool(
@@ -285,6 +290,7 @@ class AgentServer:
                 "model_not_found",
                 "model",
             )
+        return None
 
     def _prompt(self, s: Session, req: ChatRequest) -> tuple[str, tuple[int, ...], int | None]:
         """Render and tokenize ``req`` (run in a worker thread: the heavy part of a request).

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rl_agents.api.common import (
+    Backend,
     ChatRequest,
     Completion,
     HTTPError,
@@ -39,8 +40,6 @@ from rl_agents.api.common import (
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from rl_agents.server import AgentServer
 
 __all__ = ["handle", "parse", "to_message"]
 
@@ -194,7 +193,7 @@ def to_message(done: Completion, model: str, msg_id: str) -> dict[str, Any]:
     }
 
 
-async def handle(server: AgentServer, request: web.Request) -> web.StreamResponse:
+async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one message (see the module docstring)."""
     try:
         body = await read_json(request)
@@ -207,7 +206,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
     from aiohttp import web
 
     message = to_message(
-        done, str(body.get("model") or server.config.model_name), f"msg_{uuid.uuid4().hex}"
+        done, str(body.get("model") or server.served_model), f"msg_{uuid.uuid4().hex}"
     )
     if not body.get("stream"):
         return web.json_response(message)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rl_agents.api.common import (
+    Backend,
     ChatRequest,
     Completion,
     HTTPError,
@@ -26,8 +27,6 @@ from rl_agents.api.common import (
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from rl_agents.server import AgentServer
 
 __all__ = ["handle", "logprobs_of"]
 
@@ -71,7 +70,7 @@ def parse(body: Mapping[str, Any]) -> ChatRequest:
     )
 
 
-async def handle(server: AgentServer, request: web.Request) -> web.StreamResponse:
+async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one chat completion (see the module docstring)."""
     try:
         body = await read_json(request)
@@ -83,7 +82,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
     return await _respond(server, request, body, done)
 
 
-def logprobs_of(server: AgentServer, done: Completion) -> dict[str, Any]:
+def logprobs_of(server: Backend, done: Completion) -> dict[str, Any]:
     """The ``logprobs`` object of a choice: each sampled token and its engine log-prob."""
     content = []
     result = done.turn.result
@@ -94,13 +93,13 @@ def logprobs_of(server: AgentServer, done: Completion) -> dict[str, Any]:
 
 
 async def _respond(
-    server: AgentServer, request: web.Request, body: Mapping[str, Any], done: Completion
+    server: Backend, request: web.Request, body: Mapping[str, Any], done: Completion
 ) -> web.StreamResponse:
     from aiohttp import web
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    model = str(body.get("model") or server.config.model_name)
+    model = str(body.get("model") or server.served_model)
     usage = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from rl_agents.chat import ParsedCompletion
-from rl_agents.session import TurnRecord
+from rl_agents.session import Session, TurnRecord
 
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from rl_core.interfaces import Tokenizer
+
 __all__ = [
+    "Backend",
     "ChatRequest",
     "Completion",
     "HTTPError",
@@ -73,6 +76,35 @@ class Completion:
     def completion_tokens(self) -> int:
         """Sampled tokens."""
         return len(self.turn.result.output_ids)
+
+
+class Backend(Protocol):
+    """What a surface needs from the server that serves it (:class:`~rl_agents.server.AgentServer`
+    implements it). The surfaces depend on this protocol, not on the server module, so the
+    server can import them without an import circle."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The policy's tokenizer (decodes sampled tokens for ``logprobs``)."""
+        ...
+
+    @property
+    def served_model(self) -> str:
+        """The model id reported when a request names none."""
+        ...
+
+    def check_model(self, name: Any) -> str | None:
+        """The LoRA adapter a request's ``model`` names (``None``: the base policy), or
+        HTTP 404 listing the served names."""
+        ...
+
+    def session_of(self, request: web.Request, body_user: str | None = None) -> Session:
+        """The open session a request belongs to, or HTTP 401/404."""
+        ...
+
+    async def complete(self, s: Session, req: ChatRequest) -> Completion:
+        """Render, generate and record one completion of session ``s``."""
+        ...
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rl_agents.api.common import (
+    Backend,
     ChatRequest,
     Completion,
     HTTPError,
@@ -38,8 +39,6 @@ from rl_agents.api.common import (
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from rl_agents.server import AgentServer
 
 __all__ = ["handle", "parse", "to_response"]
 
@@ -202,7 +201,7 @@ def _history_of(req: ChatRequest, done: Completion, instructions: bool) -> list[
     return [*messages, reply]
 
 
-async def handle(server: AgentServer, request: web.Request) -> web.StreamResponse:
+async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one response (see the module docstring)."""
     try:
         body = await read_json(request)
@@ -228,7 +227,7 @@ async def handle(server: AgentServer, request: web.Request) -> web.StreamRespons
 
     rid = f"resp_{uuid.uuid4().hex}"
     session.responses[rid] = _history_of(req, done, bool(body.get("instructions")))
-    response = to_response(done, body, str(body.get("model") or server.config.model_name), rid)
+    response = to_response(done, body, str(body.get("model") or server.served_model), rid)
     if not body.get("stream"):
         return web.json_response(response)
     resp = web.StreamResponse(
