@@ -37,7 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KNOWN_CIRCLES = {
     "rl_trainer",
-    "rl_hf",
     "rl_megatron",
     "rl_sglang",
 }

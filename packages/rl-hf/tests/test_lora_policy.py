@@ -85,7 +85,7 @@ def _trained(path: Path, steps: int = 2, **kw) -> tuple[HFPolicy, object]:
 def test_adapter_weights_are_peft_state_dict_and_only_they_train(qwen_dir: Path) -> None:
     policy, _ = _trained(qwen_dir)
     ours = dict(policy.named_adapter_weights())
-    theirs = peft.get_peft_model_state_dict(policy._peft)
+    theirs = peft.get_peft_model_state_dict(policy._lora.peft)
     assert list(ours) == list(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     trained = {id(p) for p in policy._params}

@@ -21,6 +21,7 @@ second instance serves as the frozen reference model for KL losses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -39,11 +40,11 @@ from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncErro
 from rl_core.interfaces import LossFn, Policy
 from rl_core.logprobs import linear_logprobs
 from rl_core.lora import LoRAConfig
-from rl_core.offload import OffloadConfig
+from rl_core.offload import OffloadConfig, ResidentStorage, StorageOffloader, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
 from rl_hf._hf import enable_activation_checkpointing, hf_state_dict, token_logprobs
-from rl_hf._offload import OffloadMixin
-from rl_hf._policy_lora import PolicyLoRAMixin
+from rl_hf._offload import training_state
+from rl_hf._policy_lora import PolicyLoRA
 
 __all__ = ["HFPolicy", "token_logprobs"]
 
@@ -53,7 +54,7 @@ STATE_FILE = "rl_policy_state.pt"
 """File (next to the HF weights) holding the version and, optionally, optimizer and scheduler."""
 
 
-class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
+class HFPolicy(Policy):
     """A trainable Hugging Face causal LM (``AutoModelForCausalLM``) on one device.
 
     Forward passes are padding-free: each micro-batch runs as one row of ``T`` packed tokens with
@@ -63,6 +64,10 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
     With ``Config.lora`` the model is adapted in place through peft (:mod:`rl_hf._lora`): only
     the adapters train, ``named_weights`` yields the merged weights and checkpoints hold the
     adapter (docs/lora.md).
+
+    The policy owns its concerns as objects: the adapters (:class:`rl_hf._policy_lora.PolicyLoRA`,
+    with ``lora``) and the storage mover of ``offload``/``onload``
+    (:class:`~rl_core.offload.StorageOffloader`, :attr:`offloader`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -211,16 +216,11 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         self._router_tap = RouterTap.attach(self.model)  # None for a dense model
         self._routing_sink: list[torch.Tensor] | None = None
         self._check_head_for_hidden_path(path)
-        self._peft: Any = None  # the peft wrapper of self.model (LoRA only)
-        self._multi: Any = None  # rl_hf._lora.MultiAdapters (multi-LoRA only)
-        self._base_view = False  # compute_base_logprobs: adapters disabled, none to pick
+        self._lora: PolicyLoRA | None = None  # the adapters (LoRA only)
         if config.lora is not None:
-            from rl_hf import _lora
-
-            self._peft = _lora.wrap(self.model, config.lora, seed=config.seed)
-            self.model.eval()  # the injected adapter modules are built in training mode
-            if config.lora.multi:
-                self._multi = _lora.MultiAdapters(self._peft, config.lora)
+            self._lora = PolicyLoRA(
+                self.model, config.lora, seed=config.seed, base_model=config.model_path
+            )
         if config.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self._version = 0
@@ -250,6 +250,8 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
             self.optimizer,
             lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
         )
+        self.offloader = StorageOffloader(config.offload)
+        """Moves the state ``config.offload`` selects off the device and back (:meth:`offload`)."""
 
     def _compile_warmup(self) -> float:
         """Compile the train forward and backward now (``compile_warmup``); seconds taken."""
@@ -372,6 +374,37 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
             moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None) if experts else None,
             tied_embeddings=self._tied,
         )
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """``config.lora``: the adapter this policy trains, or ``None`` (full fine-tuning)."""
+        return self.config.lora
+
+    # ------------------------------------------------------------------ offload
+
+    def tracked_tensors(self) -> TrackedTensors:
+        """``(kind, name, tensor)`` of every tensor of the policy's state, weights first
+        (:func:`rl_hf._offload.training_state`)."""
+        return training_state(self.model, self._params, self.optimizer, self.device)
+
+    @property
+    def is_offloaded(self) -> bool:
+        """Whether the state selected by ``config.offload`` is off the device now."""
+        return self.offloader.offloaded
+
+    def offload(self) -> None:
+        """Move the state ``config.offload`` selects off the device and free its device memory;
+        a no-op when already offloaded (local to the process: no collective)."""
+        self.offloader.offload(self.tracked_tensors())
+
+    def onload(self) -> None:
+        """Bring back, bitwise, what :meth:`offload` moved; a no-op when nothing is offloaded."""
+        self.offloader.onload()
+
+    def resident_storages(self) -> list[ResidentStorage]:
+        """Storages of the tracked state still holding memory outside the offloader's host
+        copies (after :meth:`offload`: only kinds switched off)."""
+        return self.offloader.resident(self.tracked_tensors())
 
     # ------------------------------------------------------------------ forward
 
@@ -509,8 +542,8 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
         rng_devices = [self.device] if self.device.type == "cuda" else []
-        dropout = self._peft is not None and self.config.lora.dropout > 0
-        with torch.random.fork_rng(devices=rng_devices), self._lora_dropout(dropout):
+        dropout = self._lora.dropout() if self._lora is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=rng_devices), dropout:
             torch.manual_seed(self.config.seed + self._version)
             for mb in self._micro_batches(batch):
                 mb_dev = self._on_device(mb)
@@ -521,8 +554,8 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
                 loss_sum += float(out.loss.detach())
                 for name, value in out.metrics.items():
                     metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
-        if self._multi is not None:  # each adapter's gradient norm, before clipping
-            metric_sums.update(self._multi.grad_norms())
+        if self._lora is not None:  # each adapter's gradient norm (several), before clipping
+            metric_sums.update(self._lora.grad_norms())
         if self.config.grad_clip > 0:
             # foreach: one multi-tensor norm and scale (bitwise equal to the per-tensor loop)
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -554,9 +587,9 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
         """``batch.micro_batches()``, cut by adapter with several (``MultiAdapters.runs``)."""
-        if self._multi is None or self._base_view:
+        if self._lora is None:
             return iter(batch.micro_batches())
-        return self._multi.runs(batch)
+        return self._lora.micro_batches(batch)
 
     def _on_device(self, batch: TrainBatch) -> TrainBatch:
         if batch.tokens.device == self.device:
@@ -582,11 +615,10 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         under their Hugging Face names; neither adapter tensors nor peft's ``base_layer`` names
         appear.
         """
-        if self._peft is not None:
-            from rl_hf._lora import merged_named_weights
-
-            skip = frozenset({"lm_head.weight"} if self._tied else ())
-            yield from merged_named_weights(self.model, skip=skip)
+        if self._lora is not None:
+            yield from self._lora.merged_weights(
+                frozenset({"lm_head.weight"} if self._tied else ())
+            )
             return
         for name, tensor in self.model.state_dict().items():
             if self._tied and name == "lm_head.weight":
@@ -637,18 +669,38 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         and with ``lora`` the base weights under Hugging Face names plus the adapter tensors
         under peft names."""
         state = self.model.state_dict()
-        if self._peft is None:
+        if self._lora is None:
             return state
-        if self._multi is not None:
-            return self._multi.live_state(state)
-        adapter = f".{self.config.lora.name}."
-        live = {}
-        for name, tensor in state.items():
-            if ".lora_" in name:  # model...q_proj.lora_A.<adapter>.weight -> peft name
-                live["base_model.model." + name.replace(adapter, ".")] = tensor
-            else:
-                live[name.replace(".base_layer.", ".")] = tensor
-        return live
+        return self._lora.live_state(state)
+
+    # ------------------------------------------------------------------ LoRA
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter tensors in peft naming, exactly as ``peft.get_peft_model_state_dict``
+        gives them (``base_model.model.<module>.lora_A.weight`` ``[r, in]``, ``lora_B``
+        ``[out, r]``), detached views of the live tensors. With several adapters
+        (``lora.adapters``): every adapter's, named ``<adapter>/<peft name>``
+        (:func:`rl_core.lora.adapter_tensor_name`, the multi-adapter update's naming).
+
+        Raises:
+            ConfigError: the policy has no adapter (``lora`` is not set).
+        """
+        if self._lora is None:
+            yield from Policy.named_adapter_weights(self)
+            return
+        yield from self._lora.named_adapter_weights()
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
+        """:meth:`compute_logprobs` of the frozen base model (adapters disabled through peft's
+        ``disable_adapter()``): the KL reference without a second copy of the model.
+
+        Raises:
+            ConfigError: the policy has no adapter (``lora`` is not set).
+        """
+        if self._lora is None:
+            return Policy.compute_base_logprobs(self, batch)
+        with self._lora.base_view():
+            return self.compute_logprobs(batch)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -676,17 +728,23 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
                 names the weights file that was written and the cause.
         """
         out = Path(directory)
-        if self._peft is not None:
-            from rl_hf._lora import write_adapter_checkpoint
-
-            out.mkdir(parents=True, exist_ok=True)
-            if self._multi is not None:  # one peft directory per adapter
-                self._multi.write_checkpoint(out, self.config.model_path)
-            else:
-                write_adapter_checkpoint(out, self._peft, self.config.lora, self.config.model_path)
+        if self._lora is not None:
+            self._lora.write_checkpoint(out)  # one peft directory per adapter with several
         else:
             self._save_hf(out)
         self._save_state(out, with_optimizer=with_optimizer)
+
+    def save_merged(self, directory: str | Path) -> None:
+        """Write the model as :meth:`save` does without ``lora``: a Hugging Face directory of the
+        merged weights (:meth:`named_weights`) that ``AutoModelForCausalLM`` loads, plus the state
+        file (version only). Without ``lora`` it is ``save(with_optimizer=False)``.
+
+        Raises:
+            CheckpointError: transformers could not write the model directory.
+        """
+        out = Path(directory)
+        self._save_hf(out)
+        self._save_state(out, with_optimizer=False)
 
     def _save_hf(self, out: Path) -> None:
         """The Hugging Face model directory of :meth:`named_weights` (see :meth:`save`)."""
@@ -705,7 +763,7 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
         shutil.rmtree(hf_dir, ignore_errors=True)
         try:
             with quiet_progress():
-                if self._peft is None:
+                if self._lora is None:
                     self.model.save_pretrained(str(hf_dir))
                 else:  # the merged weights, in the base model's layout
                     self.model.save_pretrained(str(hf_dir), state_dict=weights)
@@ -755,8 +813,16 @@ class HFPolicy(OffloadMixin, PolicyLoRAMixin, Policy):
 
         src = Path(directory)
         state_path = src / STATE_FILE
-        if self._peft is not None:
-            self._load_adapter_checkpoint(src, with_optimizer=with_optimizer)
+        if self._lora is not None:  # an adapter checkpoint: its base must be this policy's base
+            if not state_path.is_file():
+                raise CheckpointError(
+                    f"{src}: not a policy checkpoint (no {STATE_FILE}); write one with "
+                    "HFPolicy.save."
+                )
+            adapter = self._lora.read_checkpoint(src)
+            state = self._read_state(state_path, with_optimizer=with_optimizer)
+            self._copy_in(adapter, error=CheckpointError, source=str(src))
+            self._restore_state(state, with_optimizer=with_optimizer)
             return
         files = sorted(src.glob("*.safetensors"))
         if not files or not state_path.is_file():
