@@ -18,7 +18,7 @@ CONSTRAINTS := constraints.txt
 PIP_VERSION := 26.3
 TOOLS := ruff build
 
-.PHONY: setup lock docs check-packages sglang-env sglang-lock real-model demo test test-long test-gpu lint format bench clean
+.PHONY: setup lock docs check-packages sglang-env sglang-lock real-model demo test test-long test-gpu bench-gpu lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -98,6 +98,12 @@ lint: setup
 
 format: setup
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+# GPU numbers (benchmarks/gpu.py): SmolLM2 train-step tokens/s and MFU in bf16 (HF and Megatron
+# policies), generation tokens/s, delta apply GB/s, peak device memory; JSON in
+# benchmarks/results/gpu_<device>.json. Under 8 minutes on one GPU; without CUDA one line, exit 0.
+bench-gpu:
+	@PYTHON_GPU="$(PYTHON_GPU)" bash scripts/bench_gpu.sh
 
 bench: setup
 	$(BIN)/python benchmarks/balance.py
