@@ -9,12 +9,26 @@ either a Python callable (``program: "my_agent:solve"``)::
         ...                                   # any number of chat completions, tool calls
         return reward                         # or None: the trainer's reward function scores it
 
-(``async def`` works too), or a subprocess (``command: ["python", "agent.py"]``: ``python``
-means the trainer's own interpreter, ``sys.executable``, and a relative script path resolves
-against the recipe's directory; see :func:`resolve_command`) that gets
-``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (the session id) and ``RL_TASK`` (JSON with the prompt's
-``input``, ``label`` and ``metadata``) in its environment and the same JSON on stdin. If the last
-line it prints is a JSON object with a numeric ``"reward"``, that is the session's reward.
+(``async def`` works too; an Anthropic-client agent uses
+``anthropic.Anthropic(base_url=task.anthropic_base_url, api_key=task.api_key)``), or a
+subprocess (``command: ["python", "agent.py"]``: ``python`` means the trainer's own interpreter,
+``sys.executable``, and a relative script path resolves against the recipe's directory; see
+:func:`resolve_command`) whose environment holds what the official clients read
+(:meth:`AgentTask.env`): ``OPENAI_BASE_URL`` (``<root>/v1``), ``OPENAI_API_KEY``,
+``ANTHROPIC_BASE_URL`` (the root: the Anthropic client appends ``/v1/messages`` itself),
+``ANTHROPIC_API_KEY`` (the keys are the session id), ``RL_SERVER_URL`` (the root), ``RL_MODEL``
+(the served model name) and ``RL_TASK`` (JSON with the prompt's ``input``, ``label`` and
+``metadata``; the same JSON comes on stdin). If the last line it prints is a JSON object with a
+numeric ``"reward"``, that is the session's reward.
+
+Concurrency is set by the config: at most ``max_sessions`` sessions run at once (across every
+prompt of the step; the others wait their turn), at most ``max_subprocesses`` of them as
+subprocesses. A plain (``def``) program runs on a pool of daemon threads of its own, one per
+running session (never asyncio's default executor: its few workers are shared with the server's
+request rendering, and agents blocked on the server in every one of them would deadlock the
+run), so partial rollouts with sync agents and many sessions per step complete, and an
+abandoned session (a timeout, a stop signal) never holds the process's exit. A session that is
+cancelled (the trainer stopping) kills its subprocess.
 
 Each of the ``ctx.n_samples`` runs of a prompt is one session; its rollouts (one per merged
 trajectory) share the session id as ``rollout_id``. A run that raises, times out or exits
@@ -26,20 +40,22 @@ trainer). A returned reward is stored in ``metadata["session_reward"]``; score w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
 import logging
 import os
 import sys
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rl_agents.server import AgentServer
-from rl_core.config import PositiveFloat, from_dict
+from rl_core.config import PositiveFloat, PositiveInt, from_dict
 from rl_core.errors import ConfigError, RewardError
 from rl_core.interfaces import Generator, RolloutContext
 from rl_core.locations import Located, base_dir_of
@@ -47,7 +63,13 @@ from rl_core.types import Prompt, Rollout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentRollout", "AgentTask", "SessionReward", "resolve_command"]
+__all__ = [
+    "AgentRollout",
+    "AgentTask",
+    "SessionReward",
+    "resolve_command",
+    "run_in_daemon_thread",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,11 +79,43 @@ class AgentTask:
     base_url: str
     """OpenAI ``base_url`` of the server (``http://127.0.0.1:<port>/v1``)."""
     api_key: str
-    """The session id; pass it as the client's ``api_key``."""
+    """The session id; pass it as the client's ``api_key`` (OpenAI and Anthropic alike)."""
     model: str
     """Model name to put in requests (the server answers another name with 404)."""
     prompt: Prompt
     """The prompt (``input`` is text or chat messages; ``label`` and ``metadata`` as loaded)."""
+    root_url: str = ""
+    """The server's root (``http://127.0.0.1:<port>``); ``""``: ``base_url`` without its
+    ``/v1``."""
+
+    def __post_init__(self) -> None:
+        if not self.root_url:
+            root = self.base_url.rstrip("/")
+            object.__setattr__(self, "root_url", root.removesuffix("/v1"))
+
+    @property
+    def openai_base_url(self) -> str:
+        """The OpenAI client's ``base_url`` (``<root>/v1``; the same as :attr:`base_url`)."""
+        return self.base_url
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The Anthropic client's ``base_url``: the root, since the client appends
+        ``/v1/messages`` itself (``<root>/v1`` would be answered 404)."""
+        return self.root_url
+
+    def env(self) -> dict[str, str]:
+        """The variables an unmodified agent's clients read: ``OPENAI_BASE_URL``,
+        ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY`` (the keys are the
+        session id), ``RL_SERVER_URL`` (the root) and ``RL_MODEL`` (the model name)."""
+        return {
+            "OPENAI_BASE_URL": self.openai_base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "ANTHROPIC_BASE_URL": self.anthropic_base_url,
+            "ANTHROPIC_API_KEY": self.api_key,
+            "RL_SERVER_URL": self.root_url,
+            "RL_MODEL": self.model,
+        }
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -92,6 +146,11 @@ class AgentRollout:
         server: dict[str, Any] | None = None
         """Options of :class:`~rl_agents.server.AgentServer.Config` (host, port, max_turns,
         chat, ...)."""
+        max_sessions: PositiveInt = 64
+        """Sessions running at once at most, over every prompt of the step (the others wait);
+        a sync ``program`` runs on this many daemon threads at most."""
+        max_subprocesses: PositiveInt | None = None
+        """``command`` subprocesses running at once at most (``None``: ``max_sessions``)."""
 
         def __post_init__(self) -> None:
             if (self.program is None) == (self.command is None):
@@ -107,6 +166,15 @@ class AgentRollout:
                 )
             if not self.timeout_s > 0:
                 raise ConfigError(f"generate_fn.timeout_s: must be > 0, got {self.timeout_s}.")
+            for name in ("max_sessions", "max_subprocesses"):
+                value = getattr(self, name)
+                if value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1
+                ):
+                    raise ConfigError(
+                        f"generate_fn.{name}: a whole number >= 1, got {value!r}; it caps the "
+                        "agent sessions (subprocesses) running at once."
+                    )
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -128,6 +196,13 @@ class AgentRollout:
         """The server, started on the first call on that call's event loop."""
         self._server_for: Generator | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._limits: (
+            tuple[asyncio.AbstractEventLoop, asyncio.Semaphore, asyncio.Semaphore] | None
+        ) = None
+        self.running = 0
+        """Sessions running now (at most ``Config.max_sessions``)."""
+        self.peak_running = 0
+        """The most sessions that ran at once."""
 
     async def ensure_server(self, ctx: RolloutContext) -> AgentServer:
         """The server for ``ctx.generator`` on the running event loop (started, or restarted
@@ -153,12 +228,31 @@ class AgentRollout:
             await self.server.close()
             self.server = None
 
+    def _semaphores(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore]:
+        """The session and subprocess limits of the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._limits is None or self._limits[0] is not loop:
+            cfg = self.config
+            procs = cfg.max_subprocesses or cfg.max_sessions
+            self._limits = (loop, asyncio.Semaphore(cfg.max_sessions), asyncio.Semaphore(procs))
+        return self._limits[1], self._limits[2]
+
     async def __call__(self, prompt: Prompt, ctx: RolloutContext) -> list[Rollout]:
-        """Run ``ctx.n_samples`` sessions of the agent concurrently; all their rollouts."""
+        """Run ``ctx.n_samples`` sessions of the agent concurrently (within
+        ``Config.max_sessions``); all their rollouts."""
         server = await self.ensure_server(ctx)
-        runs = await asyncio.gather(
-            *(self._session(server, prompt, ctx, k) for k in range(ctx.n_samples))
-        )
+        sessions, _ = self._semaphores()
+
+        async def limited(k: int) -> list[Rollout]:
+            async with sessions:
+                self.running += 1
+                self.peak_running = max(self.peak_running, self.running)
+                try:
+                    return await self._session(server, prompt, ctx, k)
+                finally:
+                    self.running -= 1
+
+        runs = await asyncio.gather(*(limited(k) for k in range(ctx.n_samples)))
         return [r for rs in runs for r in rs]
 
     async def _session(
@@ -173,7 +267,11 @@ class AgentRollout:
             sid, sampling=sampling, metadata={"sample": k}, return_routing=ctx.return_routing
         )
         task = AgentTask(
-            base_url=server.base_url, api_key=sid, model=server.config.model_name, prompt=prompt
+            base_url=server.base_url,
+            root_url=server.root_url,
+            api_key=sid,
+            model=server.config.model_name,
+            prompt=prompt,
         )
         reward: float | None = None
         failure: str | None = None
@@ -206,7 +304,7 @@ class AgentRollout:
             type(self._fn).__call__
         ):
             return await self._fn(task)
-        out = await asyncio.to_thread(self._fn, task)
+        out = await run_in_daemon_thread(self._fn, task)
         if inspect.isawaitable(out):
             out = await out
         return out
@@ -220,30 +318,31 @@ class AgentRollout:
             },
             default=str,
         )
-        env = {
-            **os.environ,
-            "OPENAI_BASE_URL": task.base_url,
-            "OPENAI_API_KEY": task.api_key,
-            "RL_TASK": payload,
-        }
+        # ANTHROPIC_AUTH_TOKEN would make the Anthropic client send a bearer token besides
+        # the key (the trainer's own, if it has one): only the session id goes out.
+        env = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_AUTH_TOKEN"}
+        env.update(task.env(), RL_TASK=payload)
         assert self.argv is not None
         from rl_agents.tools.private import private_argv  # its own PID namespace: no key leak
 
-        proc = await asyncio.create_subprocess_exec(
-            *private_argv(self.argv),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(payload.encode()), self.config.timeout_s
+        _, procs = self._semaphores()
+        async with procs:
+            proc = await asyncio.create_subprocess_exec(
+                *private_argv(self.argv),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
             )
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise
+            try:
+                out, err = await asyncio.wait_for(
+                    proc.communicate(payload.encode()), self.config.timeout_s
+                )
+            except BaseException:  # a timeout, or the session cancelled (the run stopping)
+                if proc.returncode is None:
+                    proc.kill()
+                    await asyncio.shield(proc.wait())
+                raise
         stdout = out.decode(errors="replace")
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip()[-500:]
@@ -258,6 +357,36 @@ class AgentRollout:
             if isinstance(last, dict) and "reward" in last:
                 reward = last["reward"]
         return reward, {"agent_stdout": stdout[-2000:]}
+
+
+async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a new daemon thread, awaited: a thread of its own per call (the
+    caller bounds how many run at once), never asyncio's shared default executor, and never
+    joined at exit, so a call left blocked (a cancelled or timed-out session) cannot keep the
+    process alive."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():  # cancelled meanwhile: nobody waits for the result
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def work() -> None:
+        try:
+            result, ok = fn(*args), True
+        except BaseException as e:  # handed to the awaiting session
+            result, ok = e, False
+        # The loop may be closed (the run ended while the call was blocked): nobody waits.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, ok, result)
+
+    name = f"agent-{getattr(fn, '__name__', type(fn).__name__)}"
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await fut
 
 
 _PYTHON_NAMES = frozenset({"python", "python3", f"python3.{sys.version_info.minor}"})
