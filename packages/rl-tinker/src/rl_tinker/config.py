@@ -1,0 +1,50 @@
+"""Typed settings of the service (``rl-tinker serve CONFIG``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from rl_core.config import Range
+
+__all__ = ["ServiceConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ServiceConfig:
+    """Settings of :class:`~rl_tinker.server.TinkerService`.
+
+    Example (YAML)::
+
+        models: {tiny: /path/to/tiny-model, smollm2: ~/.cache/rl-models/smollm2-135m-instruct}
+        state_dir: runs/tinker
+        port: 8765
+    """
+
+    models: dict[str, str]
+    """Base models clients may name (``base_model``), each a local Hugging Face directory."""
+    state_dir: str
+    """Where checkpoints (``tinker://`` paths) live; a new service on the same directory finds
+    every checkpoint the last one saved."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: Annotated[int, Range(ge=0, le=65535)] = 8765
+    """TCP port (0: any free port)."""
+    device: str = "cpu"
+    """Torch device of the base models and adapters."""
+    api_key: str = ""
+    """When set, requests must carry it (``X-API-Key``; the SDK sends ``TINKER_API_KEY``)."""
+    max_models_per_session: Annotated[int, Range(ge=1)] = 8
+    """Training clients (adapters) one session may create; more is answered 400."""
+    max_models: Annotated[int, Range(ge=1)] = 64
+    """Training clients the whole service holds; more is answered 400."""
+    max_queued_per_model: Annotated[int, Range(ge=1)] = 64
+    """Operations a training client may have submitted and not finished; more is answered 400."""
+    max_sampler_slots: Annotated[int, Range(ge=1)] = 4
+    """Sampler snapshots kept loaded per base model (least recently used dropped)."""
+    max_sample_tokens: Annotated[int, Range(ge=1)] = 4096
+    """Cap on ``max_tokens`` of a sample request."""
+    future_poll_s: Annotated[float, Range(gt=0)] = 5.0
+    """How long ``retrieve_future`` holds a poll for a result before answering try-again."""
+    tags: list[str] = field(default_factory=list)
+    """Free labels (reported in ``/metrics``)."""

@@ -1,0 +1,3 @@
+"""Version of the rl-tinker distribution (one lockstep train while 0.x)."""
+
+__version__ = "0.1.0"
