@@ -1,7 +1,11 @@
 """OpenAI chat messages <-> the policy's token ids: rendering with the chat template, tool
 definitions, and tool calls parsed out of sampled text.
 
-Tool calls use the Hermes / Qwen convention: the model writes one block per call::
+Tool calls and reasoning are parsed in the format of the model's family
+(:mod:`rl_agents.parsers`: Hermes/Qwen, Qwen3-Coder, Llama 3.x, Mistral, DeepSeek), chosen by
+``ChatFormat.Config.family`` or detected from the chat template. The Hermes / Qwen convention,
+the one the server writes itself for a template that does not render tools, is one block per
+call::
 
     <tool_call>
     {"name": "add", "arguments": {"a": 1, "b": 2}}
@@ -18,18 +22,15 @@ tokenizer with a chat template works.
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rl_agents.parsers import FAMILIES, ParsedCompletion, ResponseFormat, ToolCall, response_format
 from rl_core.errors import ConfigError, DataError
 from rl_core.interfaces import Tokenizer
 
 __all__ = ["ChatFormat", "ParsedCompletion", "ToolCall"]
-
-_TOOL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 _TOOLS_PREAMBLE = (
     "# Tools\n\nYou can call the functions described below. Each is a JSON schema inside "
@@ -37,42 +38,6 @@ _TOOLS_PREAMBLE = (
     "with its name and arguments between <tool_call></tool_call> tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One function call parsed from a completion, in OpenAI's shape."""
-
-    id: str
-    """Call id the client echoes back in the ``tool`` message (``call_<hex>``)."""
-    name: str
-    """Function name."""
-    arguments: str
-    """Arguments as a JSON string (OpenAI's encoding)."""
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        """The ``tool_calls[i]`` object of a response (with ``index`` for stream deltas)."""
-        out: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        if index is not None:
-            out["index"] = index
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedCompletion:
-    """A completion's text split into what an OpenAI client sees."""
-
-    content: str | None
-    """Text outside tool-call blocks (``None`` when there is only whitespace besides calls)."""
-    tool_calls: tuple[ToolCall, ...] = ()
-    """Parsed calls, in order."""
-    ill_formed: bool = False
-    """A ``<tool_call>`` block was present but not valid JSON with a ``name``: the whole text
-    is returned as content and no call is made."""
 
 
 class ChatFormat:
@@ -88,6 +53,11 @@ class ChatFormat:
         blocks). ``auto``: native when the template's source mentions ``tools``."""
         template_kwargs: dict[str, Any] = field(default_factory=dict)
         """Extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``)."""
+        family: str = "auto"
+        """The model family whose tool-call and reasoning format completions are parsed in
+        (:data:`rl_agents.parsers.FAMILIES`: ``hermes``, ``qwen3_coder``, ``llama3``,
+        ``mistral``, ``deepseek``); ``auto``: detected from the chat template (``hermes`` for a
+        template that does not render tools)."""
 
         def __post_init__(self) -> None:
             if self.tools_in_template not in ("auto", "always", "never"):
@@ -108,6 +78,25 @@ class ChatFormat:
         mode = self.config.tools_in_template
         self.native_tools = mode == "always" or (mode == "auto" and "tools" in str(template))
         """True when tools and tool calls are passed to the template itself."""
+        self.format: ResponseFormat = response_format(
+            self.config.family, str(template), native_tools=self.native_tools
+        )
+        """The family's tool-call and reasoning format (:mod:`rl_agents.parsers`)."""
+        if not self.native_tools and self.format.name != "hermes":
+            raise ConfigError(
+                f"agents.chat.family: {self.format.name!r} needs a chat template that renders "
+                "tools itself (the server writes tools and calls in Hermes format otherwise); "
+                "use the model's own template, or family hermes."
+            )
+        self.thinking_switch: str | None = next(
+            (k for k in ("enable_thinking", "thinking") if k in str(template)), None
+        )
+        """The template variable that turns reasoning on or off (Qwen3 ``enable_thinking``,
+        DeepSeek-V3.1 ``thinking``), ``None`` when the template has none."""
+        specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        specials |= {str(t) for t in added.values() if getattr(t, "special", False)}
+        self._specials = tuple(sorted((t for t in specials if t), key=len, reverse=True))
 
     # ----------------------------------------------------------------------------- render
     def render(
@@ -116,13 +105,18 @@ class ChatFormat:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        thinking: bool | None = None,
     ) -> str:
         """The prompt text of ``messages`` (OpenAI format) with a generation prompt.
+        ``thinking`` (not ``None``) sets the template's thinking switch
+        (:attr:`thinking_switch`, which must exist then).
 
         Raises DataError naming the message index when a message is malformed.
         """
         msgs = [self._message(i, m) for i, m in enumerate(messages)]
         kwargs = dict(self.config.template_kwargs)
+        if thinking is not None and self.thinking_switch is not None:
+            kwargs[self.thinking_switch] = thinking
         if tools:
             if self.native_tools:
                 kwargs["tools"] = [dict(t) for t in tools]
@@ -191,31 +185,27 @@ class ChatFormat:
         return {"role": "assistant", "content": f"{content}\n{blocks}" if content else blocks}
 
     # ----------------------------------------------------------------------------- parse
+    def parse_completion(
+        self, text: str, *, prompt: str = "", tools_enabled: bool = True
+    ) -> ParsedCompletion:
+        """Split a completion's text (decoded with its special tokens, without the final stop
+        token) into content, reasoning and tool calls in the family's format; special tokens
+        are removed from the content and reasoning returned."""
+        return self.format.parse(
+            text, prompt=prompt, tools_enabled=tools_enabled, clean=self._strip_specials
+        )
+
+    def _strip_specials(self, text: str) -> str:
+        for t in self._specials:
+            if t in text:
+                text = text.replace(t, "")
+        return text
+
     @staticmethod
     def parse(text: str, *, tools_enabled: bool = True) -> ParsedCompletion:
-        """Split sampled text into content and tool calls (see the module docstring)."""
-        if not tools_enabled or "<tool_call>" not in text:
-            return ParsedCompletion(content=text)
-        calls = []
-        for block in _TOOL_BLOCK.findall(text):
-            try:
-                obj = json.loads(block)
-            except json.JSONDecodeError:
-                return ParsedCompletion(content=text, ill_formed=True)
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return ParsedCompletion(content=text, ill_formed=True)
-            args = obj.get("arguments", {})
-            calls.append(
-                ToolCall(
-                    id=f"call_{uuid.uuid4().hex[:24]}",
-                    name=obj["name"],
-                    arguments=args if isinstance(args, str) else json.dumps(args),
-                )
-            )
-        if not calls:  # an opening tag without a complete block
-            return ParsedCompletion(content=text, ill_formed=True)
-        rest = _TOOL_BLOCK.sub("", text).strip()
-        return ParsedCompletion(content=rest or None, tool_calls=tuple(calls))
+        """Split sampled text into content and tool calls in the Hermes format (see the module
+        docstring); :meth:`parse_completion` parses in the configured family's format."""
+        return FAMILIES["hermes"].parse(text, tools_enabled=tools_enabled)
 
 
 def _text(content: Any, where: str) -> str:

@@ -1,0 +1,126 @@
+"""Tool-call and reasoning parsing per model family (rl_agents.parsers) on completions rendered
+by each family's own chat template (tests/fixtures/chat_families.json names each template's
+source), family selection, and the Hermes template kept equal to transformers' own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rl_agents.chat import ChatFormat
+from rl_agents.parsers import FAMILIES, detect_family, response_format
+from rl_core.errors import ConfigError
+
+FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "chat_families.json").read_text())
+CASES = FIXTURES["families"]
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_each_family_parses_calls_rendered_by_its_own_template(family):
+    case = CASES[family]
+    parsed = FAMILIES[family].parse(case["completion"], prompt=case["prompt"])
+    assert not parsed.ill_formed
+    got = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in parsed.tool_calls]
+    assert got == case["expected"]["tool_calls"]
+    assert parsed.content == case["expected"]["content"]
+    assert len({c.id for c in parsed.tool_calls}) == len(parsed.tool_calls)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_other_families_do_not_take_a_familys_calls(family):
+    """A family's completion parsed in another family's format yields no calls: the formats
+    are told apart, so picking the right family matters."""
+    case = CASES[family]
+    for other in CASES:
+        if other != family:
+            assert FAMILIES[other].parse(case["completion"], prompt="").tool_calls == ()
+
+
+@pytest.mark.parametrize(
+    ("family", "prompt", "text"),
+    [
+        ("hermes", "<|im_start|>assistant\n", "<think>\nadd them\n</think>\n\n5"),
+        ("hermes", "<|im_start|>assistant\n<think>\n", "add them\n</think>\n\n5"),
+        ("deepseek", "<｜User｜>2+3<｜Assistant｜><think>\n", "add them\n</think>\n\n5"),
+        ("deepseek", "<｜User｜>2+3<｜Assistant｜>", "<think>add them</think>5"),
+    ],
+)
+def test_reasoning_split_from_content_also_when_the_prompt_opens_it(family, prompt, text):
+    """Qwen3 / DeepSeek-R1 reasoning, whether the model writes <think> or the template's
+    generation prompt already opened it (R1)."""
+    parsed = FAMILIES[family].parse(text, prompt=prompt)
+    assert parsed.reasoning == "add them" and parsed.content == "5"
+
+
+def test_reasoning_then_call():
+    text = '<think>need a tool</think>\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    parsed = FAMILIES["hermes"].parse(text, prompt="<|im_start|>assistant\n")
+    assert parsed.reasoning == "need a tool" and parsed.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("f", {"x": 1})]
+
+
+@pytest.mark.parametrize(
+    ("family", "text"),
+    [
+        ("hermes", "<tool_call>{not json}</tool_call>"),
+        ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
+        ("llama3", '{"name": "f", "parameters": {"x": '),
+        ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {]'),
+        (
+            "deepseek",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{x}\n```<｜tool▁call▁end｜>",
+        ),
+    ],
+)
+def test_ill_formed_calls_are_flagged_and_returned_as_text(family, text):
+    parsed = FAMILIES[family].parse(text)
+    assert parsed.ill_formed and parsed.tool_calls == () and parsed.content == text
+
+
+def test_plain_text_and_disabled_tools_are_content():
+    assert FAMILIES["llama3"].parse('The set {"a": 1}').content == 'The set {"a": 1}'
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    parsed = FAMILIES["hermes"].parse(text, tools_enabled=False)
+    assert parsed.tool_calls == () and parsed.content == text
+
+
+def test_llama_python_tag_and_several_calls():
+    text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}'
+    calls = FAMILIES["llama3"].parse(text).tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+
+
+def test_family_detection_and_errors():
+    assert detect_family("... <tool_call> ...") == "hermes"
+    assert detect_family("{{ '<|start_header_id|>' }}") == "llama3"
+    assert detect_family("[INST] [TOOL_CALLS]") == "mistral"
+    assert detect_family("<｜Assistant｜><｜tool▁calls▁begin｜>") == "deepseek"
+    assert detect_family("<tool_call><function=") == "qwen3_coder"
+    assert response_format("auto", "{{ messages }}", native_tools=False).name == "hermes"
+    with pytest.raises(ConfigError, match="agents.chat.family: unknown model family 'gpt5'"):
+        response_format("gpt5")
+    with pytest.raises(ConfigError, match="set agents.chat.family to one of"):
+        response_format("auto", "{% for m in messages %}{{ tools }}{% endfor %}")
+
+
+def test_chat_format_picks_the_family_and_refuses_a_mismatch():
+    from rl_hf import build_tokenizer
+
+    tok = build_tokenizer()  # ChatML template without tools: hermes
+    assert ChatFormat(tok).format.name == "hermes"
+    with pytest.raises(ConfigError, match="needs a chat template that renders tools"):
+        ChatFormat(tok, ChatFormat.Config(family="llama3"))
+    with pytest.raises(ConfigError, match="unknown model family"):
+        ChatFormat(tok, ChatFormat.Config(family="nope"))
+
+
+def test_hermes_and_qwen3_coder_templates_are_transformers_own():
+    """The two templates copied from transformers stay equal to its current ones."""
+    serving = pytest.importorskip("transformers.cli.serving.utils")
+    fallbacks = serving._RESPONSE_TEMPLATE_FALLBACKS
+    qwen3 = next(v for k, v in fallbacks.items() if "qwen3" in k)
+    qwen35 = next(v for k, v in fallbacks.items() if "qwen3_5" in k)
+    assert FAMILIES["hermes"].template == qwen3
+    assert FAMILIES["qwen3_coder"].template == qwen35
