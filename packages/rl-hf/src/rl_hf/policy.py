@@ -42,6 +42,7 @@ from rl_core.logprobs import linear_logprobs
 from rl_core.lora import LoRAConfig
 from rl_core.offload import OffloadConfig, ResidentStorage, StorageOffloader, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_hf._allocator import trim_host_memory
 from rl_hf._hf import enable_activation_checkpointing, hf_state_dict, token_logprobs
 from rl_hf._offload import training_state
 from rl_hf._policy_lora import PolicyLoRA
@@ -150,6 +151,11 @@ class HFPolicy(Policy):
         """What ``compile_model`` compiles: ``"layers"`` each repeated decoder block (regional
         compilation: one block's compile, the faster step on the demo model), ``"model"`` the
         whole forward (one graph; slower to compile)."""
+        trim_host_memory: bool = True
+        """After each ``train_step``, return the memory the C allocator holds freed (the step's
+        temporaries) to the system: glibc ``malloc_trim(0)`` on Linux, a no-op elsewhere
+        (:mod:`rl_hf._allocator`). Values are unchanged; the process's RSS between steps drops
+        to about the live state. ``false``: glibc keeps the freed memory for the next step."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
@@ -576,6 +582,8 @@ class HFPolicy(Policy):
             self.scheduler.step()  # the schedule counts applied updates
         self.optimizer.zero_grad(set_to_none=True)
         self._version += 1
+        if self.config.trim_host_memory:
+            trim_host_memory()
         metrics = {
             "loss": loss_sum,
             "grad_norm": grad_norm_f,
