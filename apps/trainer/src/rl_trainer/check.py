@@ -85,9 +85,9 @@ that stops at once) and a plausible wrong answer."""
 class Finding:
     """One thing ``check`` found."""
 
-    level: Literal["problem", "warning"]
+    level: Literal["problem", "warning", "note"]
     """``problem``: the run would fail or learn nothing (exit status 1); ``warning``: worth a
-    look."""
+    look; ``note``: what check did not do and why (never fails the check)."""
     where: str
     """The config field, ``file:line`` or data set at fault."""
     message: str
@@ -150,6 +150,10 @@ class CheckReport:
     def warning(self, where: str, message: str) -> None:
         """Record a warning."""
         self.findings.append(Finding(level="warning", where=where, message=message))
+
+    def note(self, where: str, message: str) -> None:
+        """Record a note (a probe skipped, with the reason)."""
+        self.findings.append(Finding(level="note", where=where, message=message))
 
 
 def _user_frame(e: BaseException) -> str:
@@ -431,8 +435,12 @@ def _sample(
                 f"{cfg.sft.steps}: the warm-up trains on the labels. Add a label to every row "
                 "(label_key) or set sft.steps: 0.",
             )
+    probed: list[Group] | None = None
     if target.set_name == "train" and cfg.rollout.generate_fn is not None and prompts:
-        _probe_generate_fn(report, cfg, tokenizer, prompts[0])
+        probed = _probe_generate_fn(report, cfg, tokenizer, prompts[0])
+    if target.reward is not None and getattr(target.reward, "scores_sessions", False):
+        _session_reward(report, cfg, target, tokenizer, prompts, probed)
+        return
     recorder = _Recorder(target.reward) if target.reward is not None else None
     scorer = (
         Scorer(recorder, tokenizer, timeout_s=cfg.rollout.reward_timeout_s)
@@ -490,6 +498,75 @@ def _sample(
             f"a dummy response scores at or above the correct threshold {target.threshold:g} "
             f"({', '.join(high_dummy[:3])}); the reward may give credit for any answer.",
         )
+
+
+def _session_reward(
+    report: CheckReport,
+    cfg: TrainerConfig,
+    target: _EvalTarget,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    probed: list[Group] | None,
+) -> None:
+    """The reward probe of a reward that scores an agent's session
+    (``SessionReward.scores_sessions``: ``reward: {type: session_reward}``), not a response
+    text: the dummy and label responses are not scored (a note says so); on the train set the
+    dry session that :func:`_probe_generate_fn` ran is scored instead, as the trainer would."""
+    for p in prompts:
+        report.rows.append(
+            SampleRow(
+                set_name=target.set_name,
+                uid=p.uid,
+                prompt_text=tokenizer.decode(list(p.token_ids), skip_special_tokens=False),
+                num_tokens=len(p.token_ids),
+                label=_label_text(p.label),
+                dummy_rewards=[None] * len(DUMMY_RESPONSES),
+                label_reward=None,
+            )
+        )
+    where = f"{target.reward_field} on {target.set_name}"
+    skipped = (
+        f"the reward ({_type_name(cfg, target)}) scores an agent's session (the reward its "
+        "program reported), not a response text, so the dummy and label responses are not "
+        "scored (the '-' columns)"
+    )
+    if cfg.rollout.generate_fn is None:
+        report.problem(
+            where,
+            f"{skipped}, and no rollout.generate_fn runs sessions: every rollout would fail. "
+            "Set rollout.generate_fn to an agent (type: agent, program or command) or use a "
+            "reward that scores the response.",
+        )
+        return
+    if target.set_name != "train" or probed is None:
+        report.note(where, f"{skipped}; the train set's dry session is scored instead.")
+        return
+    rollouts = [r for g in probed for r in g.rollouts]
+    stats = RolloutStats()
+    scorer = Scorer(target.reward, tokenizer, timeout_s=cfg.rollout.reward_timeout_s)
+    asyncio.run(scorer.score(probed, stats))
+    scored = [r.reward for r in rollouts if r.reward is not None]
+    if not scored:
+        first = next(iter(stats.first.values()), None)
+        why = first.error if first is not None else "no rollout came back"
+        report.problem(
+            where,
+            f"{skipped}; the dry session(s) on prompt {probed[0].prompt.uid} (every generation "
+            f"answered with EOS) gave no reward: {why}",
+        )
+        return
+    report.note(
+        where,
+        f"{skipped}; the dry session(s) on prompt {probed[0].prompt.uid} (every generation "
+        f"answered with EOS) scored {', '.join(f'{x:g}' for x in scored)} "
+        f"({len(scored)} of {len(rollouts)} rollouts).",
+    )
+
+
+def _type_name(cfg: TrainerConfig, target: _EvalTarget) -> str:
+    """How the config names the reward of ``target`` (``type: session_reward``)."""
+    spec = cfg.reward if target.reward_field == "reward" else None
+    return f"type {spec.type!r}" if spec is not None else target.reward_field
 
 
 def check_recipe(
@@ -577,10 +654,13 @@ PROBE_TIMEOUT_S = 60.0
 """How long ``check`` waits for the rollout function's dry call."""
 
 
-def _probe_generate_fn(report: CheckReport, cfg: TrainerConfig, tokenizer: Any, p: Prompt) -> None:
+def _probe_generate_fn(
+    report: CheckReport, cfg: TrainerConfig, tokenizer: Any, p: Prompt
+) -> list[Group] | None:
     """Call ``rollout.generate_fn`` once on ``p`` with a generator that answers EOS at once, as
     the trainer calls it: a function that raises, returns nothing or not a list of
-    ``Rollout`` is a problem now rather than at the first round."""
+    ``Rollout`` is a problem now rather than at the first round. Returns the groups it gave
+    (for a session reward to score), or ``None`` when the call failed."""
     from rl_trainer.rollout import generate_groups
 
     ok, fn = _attempt(
@@ -591,10 +671,18 @@ def _probe_generate_fn(report: CheckReport, cfg: TrainerConfig, tokenizer: Any, 
         ),
     )
     if not ok:
-        return
+        return None
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
     async def call() -> Any:
+        try:
+            return await _call(fn)
+        finally:
+            close = getattr(fn, "aclose", None)  # an agent's server
+            if close is not None:
+                await close()
+
+    async def _call(fn: Any) -> Any:
         return await asyncio.wait_for(
             generate_groups(
                 [p],
@@ -611,7 +699,7 @@ def _probe_generate_fn(report: CheckReport, cfg: TrainerConfig, tokenizer: Any, 
         )
 
     try:
-        asyncio.run(call())
+        return asyncio.run(call())
     except TimeoutError:
         report.warning(
             "rollout.generate_fn",
@@ -624,6 +712,7 @@ def _probe_generate_fn(report: CheckReport, cfg: TrainerConfig, tokenizer: Any, 
             "rollout.generate_fn",
             f"a dry call on prompt {p.uid} (every generation answered with EOS) failed: {e}",
         )
+    return None
 
 
 def _fmt(value: float | None) -> str:
@@ -686,7 +775,7 @@ def print_report(report: CheckReport, console: Any = None) -> None:
                 )
             )
     for f in report.findings:
-        style = "bold red" if f.level == "problem" else "yellow"
+        style = {"problem": "bold red", "warning": "yellow"}.get(f.level, "cyan")
         line = Text(f"{f.level.upper()} ", style=style)
         line.append(f"{f.where}: ", style="bold")
         line.append(f.message)

@@ -52,10 +52,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 from rl_agents.server import AgentServer
-from rl_core.config import PositiveFloat, PositiveInt, from_dict
+from rl_core.config import CodeRef, PositiveFloat, PositiveInt, from_dict
 from rl_core.errors import ConfigError, RewardError
 from rl_core.interfaces import Generator, RolloutContext
 from rl_core.locations import Located, base_dir_of
@@ -132,9 +132,11 @@ class AgentRollout:
     class Config:
         """Options of :class:`AgentRollout` (set exactly one of ``program`` and ``command``)."""
 
-        program: str | None = None
-        """``"module:attr"`` of a callable ``fn(task: AgentTask) -> float | None`` (sync: run in
-        a worker thread; async: awaited)."""
+        program: Annotated[str | None, CodeRef()] = None
+        """``"module:attr"`` or ``"path/to/file.py:attr"`` of a callable
+        ``fn(task: AgentTask) -> float | None`` (sync: run on a daemon thread of its own;
+        async: awaited). A module that is a file beside the recipe (``my_agent:solve`` with
+        ``my_agent.py`` next to it) loads without ``PYTHONPATH``."""
         command: list[Located | str] | None = None
         """A subprocess to run per session (see the module docstring). ``python`` /
         ``python3`` as the program is the trainer's interpreter; a relative path (the program
@@ -422,6 +424,10 @@ def _beside_recipe(arg: str) -> str:
 class SessionReward:
     """RewardFn: the reward the agent program reported for the rollout's session
     (``metadata["session_reward"]``). A rollout without one is an error (counted as failed)."""
+
+    scores_sessions: ClassVar[bool] = True
+    """It scores a session, not a response text: ``rl-train check`` scores the dry session of
+    the recipe's ``generate_fn`` with it instead of dummy responses."""
 
     def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> float:
         """The session's reward."""

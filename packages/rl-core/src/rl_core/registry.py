@@ -115,10 +115,16 @@ def _import_module(name: str, ref: str) -> Any:
         if e.name is not None and name != e.name and not name.startswith(f"{e.name}."):
             raise _import_failed(ref, f"module {name!r}", e) from e
         searched = "\n  ".join(p or "(current directory)" for p in sys.path)
+        beside, where = "", "beside the recipe"
+        if isinstance(ref, Located):  # its recipe's directory was searched first
+            rel = Path(*name.split("."))
+            files = [ref.base_dir / rel.with_suffix(".py"), ref.base_dir / rel / "__init__.py"]
+            beside = f"no {' or '.join(repr(str(f)) for f in files)}, and "
+            where = f"in {str(ref.base_dir)!r}"
         raise BackendNotFoundError(
-            f"{str(ref)!r}: cannot import module {name!r}: no {e.name!r} on sys.path, which "
-            f"holds:\n  {searched}\nInstall the package that provides it, put "
-            f"{name.replace('.', '/')}.py beside the recipe, name the file itself "
+            f"{str(ref)!r}: cannot import module {name!r}: {beside}no {e.name!r} on sys.path, "
+            f"which holds:\n  {searched}\nInstall the package that provides it, put "
+            f"{name.replace('.', '/')}.py {where}, name the file itself "
             f"('path/to/{name.rsplit('.', 1)[-1]}.py:attr'), or add its directory to PYTHONPATH."
         ) from None
     except Exception as e:  # the module's own code raised while it was imported
