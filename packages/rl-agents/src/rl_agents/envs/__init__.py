@@ -1,0 +1,18 @@
+"""Environments: a small ``reset``/``step`` protocol run by a built-in multi-turn loop, and
+connectors to environment libraries.
+
+- :class:`Environment`, :class:`Action`, :class:`StepResult` (:mod:`rl_agents.envs.base`): what
+  a task implements.
+- :class:`EnvRollout` (``generate_fn: {type: env, env: ...}``) runs it, token-in/token-out, and
+  :class:`EnvReward` (``reward: {type: env_reward}``) trains on its rewards
+  (:mod:`rl_agents.envs.loop`).
+- :mod:`rl_agents.envs.reasoning_gym`: reasoning-gym's procedural tasks and scorers as a task
+  (data + reward) and as an environment (``pip install 'rlpost-agents[reasoning-gym]'``).
+
+Connectors import their library only when used, so this package imports without them.
+"""
+
+from rl_agents.envs.base import Action, Environment, StepResult
+from rl_agents.envs.loop import EnvReward, EnvRollout, EnvStats
+
+__all__ = ["Action", "EnvReward", "EnvRollout", "EnvStats", "Environment", "StepResult"]
