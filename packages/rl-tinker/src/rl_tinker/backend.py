@@ -13,8 +13,10 @@ submits them in each client's submission order); none is thread-safe on its own.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -232,6 +234,10 @@ class BaseModel:
         """Its tokenizer (stop strings, EOS)."""
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         """Longest sequence a request may hold."""
+        # transformers 5 names the KV-cache argument ``cache`` (``past_key_values`` warns); 4.x
+        # knows only ``past_key_values`` (as rl_hf.HFGenerator decides).
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._linear = {
             n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
         }
@@ -256,7 +262,11 @@ class BaseModel:
             target_modules=lora.targets(self._linear),
             bias="none",
         )
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft reads transformers 5's deprecated is_gradient_checkpointing, and notes that an
+            # adapter on a tied LM head is not merged back into the embedding (never done here).
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings")
             torch.manual_seed(lora.seed)
             if self.peft is None:
                 self.peft = peft.get_peft_model(self.model, config, adapter_name=name)
@@ -472,9 +482,7 @@ class BaseModel:
         from safetensors.torch import load_file
 
         meta = self.read_meta(directory)
-        if LoraSpec.from_json(meta["lora"]) != tenant.lora and (
-            meta["lora"]["rank"] != tenant.lora.rank
-        ):
+        if meta["lora"]["rank"] != tenant.lora.rank:
             raise CheckpointError(
                 f"{directory}: rank {meta['lora']['rank']} does not fit this training client's "
                 f"rank {tenant.lora.rank}; create the client from the checkpoint instead."
@@ -623,7 +631,9 @@ class BaseModel:
                 if all(done):
                     break
                 out = model(
-                    input_ids=nxt[:, None].to(self.device), past_key_values=past, use_cache=True
+                    input_ids=nxt[:, None].to(self.device),
+                    use_cache=True,
+                    **{self._cache_arg: past},
                 )
                 past = out.past_key_values
                 logits = out.logits[:, -1].float()

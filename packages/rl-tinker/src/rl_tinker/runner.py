@@ -29,9 +29,13 @@ class RunningService:
         self.url = f"http://{service.config.host}:{port}"
         """Base URL for ``tinker.ServiceClient(base_url=...)``."""
         self._loop, self._runner, self._thread = loop, runner, thread
+        self._stopped = False
 
     def stop(self) -> None:
-        """Stop listening, finish the running operation and end the thread."""
+        """Stop listening, finish the running operation and end the thread (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
         fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
         fut.result(timeout=60)
         self._loop.call_soon_threadsafe(self._loop.stop)
