@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CIRCLES = {
     "rl_trainer",
     "rl_megatron",
-    "rl_sglang",
 }
 
 

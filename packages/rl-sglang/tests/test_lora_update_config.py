@@ -1,9 +1,10 @@
 """Adapter-only updates refused before anything moves when the servers cannot serve them (no
-server: the generator's state is set by hand): a ``ConfigError`` naming the generator options."""
+server: the generator's parts are built by hand): a ``ConfigError`` naming the generator options."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,9 @@ from rl_core.errors import ConfigError, WeightSyncError
 from rl_core.lora import LoRAConfig, with_adapter
 from rl_core.types import WeightUpdate
 from rl_sglang import SGLangGenerator
+from rl_sglang._fleet import ServerFleet
+from rl_sglang._lora import LoRARegistry
+from rl_sglang._weights import WeightUpdater
 from rl_sglang.collective import SGLangCollectiveTransport
 
 LORA = LoRAConfig(rank=16, target_modules=("q_proj", "down_proj"), name="policy")
@@ -24,13 +28,39 @@ class _NoTransport:
 
 
 def _gen(*, lora: bool, server_info: dict | None = None) -> SGLangGenerator:
-    """A generator attached to nothing, with the state a launch would have set."""
+    """A generator attached to nothing, with the parts a launch would have made (no servers, no
+    IO loop: nothing may go out)."""
+    info = server_info or {}
     gen = SGLangGenerator.__new__(SGLangGenerator)
     gen.config = SGLangGenerator.Config(server_urls=("http://127.0.0.1:1",))
     gen.supports_lora = lora
-    gen._server_info = server_info or {}  # type: ignore[attr-defined]
-    gen._closed = False
-    gen._version = 0
+    fleet = ServerFleet(
+        io=None,  # type: ignore[arg-type]
+        client=None,  # type: ignore[arg-type]
+        launcher=None,  # type: ignore[arg-type]
+        procs=[],
+        stats={},
+        max_concurrency=1,
+        startup_timeout_s=1.0,
+        health_interval_s=0.0,
+        health_timeout_s=1.0,
+        health_failures=1,
+        restart_dead_servers=False,
+        router_url=None,
+    )
+    weights = WeightUpdater(io=None, client=None, fleet=fleet, version=0, base_model="")  # type: ignore[arg-type]
+    gen._fleet = fleet
+    gen._weights = weights
+    gen._lora = LoRARegistry(
+        io=None,  # type: ignore[arg-type]
+        client=None,  # type: ignore[arg-type]
+        fleet=fleet,
+        weights=weights,
+        adapters_dir=Path("/nonexistent"),
+        enabled=lora,
+        max_rank=info.get("max_lora_rank") or gen.config.max_lora_rank,
+        target_modules=info.get("lora_target_modules") or gen.config.lora_target_modules,
+    )
     return gen
 
 

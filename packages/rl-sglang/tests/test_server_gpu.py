@@ -116,7 +116,7 @@ def test_tensor_parallel_server_matches_tp1(
         )
     )
     try:
-        assert gen._servers[0].tp_size == 2
+        assert gen._fleet.servers[0].tp_size == 2
         assert _greedy(gen) == expected
     finally:
         asyncio.run(gen.close())

@@ -417,7 +417,7 @@ def test_launched_and_external_servers_of_a_group(
     running ones next to them: the external engine is stamped with the group's version, gets the
     policy's weight updates with the launched server, and keeps running after close; the judge
     group's server gets no update. (Stdlib fake servers stand in for SGLang.)"""
-    import rl_sglang.generator as generator_module
+    import rl_sglang._launch as launch_module
 
     launched: list[dict[str, Any]] = []
 
@@ -426,7 +426,7 @@ def test_launched_and_external_servers_of_a_group(
         log = tmp_path / f"{Path(kw['log_dir']).name}-{kw['port']}.jsonl"
         return _fake_process(kw["port"], log, kw["name"])
 
-    monkeypatch.setattr(generator_module, "launch_server", fake_launch)
+    monkeypatch.setattr(launch_module, "launch_server", fake_launch)
     monkeypatch.setattr(ServerArgs, "validate", staticmethod(lambda args, **_: dict(args)))
     ext_port = free_port()
     ext_log = tmp_path / "external.jsonl"

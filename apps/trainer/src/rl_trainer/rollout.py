@@ -42,13 +42,15 @@ from rl_core.types import (
     RolloutStatus,
     SamplingParams,
 )
-from rl_trainer.bounded import BoundedCaller, CallAbandoned, is_async
+from rl_trainer import stopping
+from rl_trainer.bounded import STOP_GRACE_S, BoundedCaller, CallAbandoned, is_async
 from rl_trainer.failures import Failure, FailureReasons, check_round
 
 __all__ = [
     "GuardedFilter",
     "PartialStats",
     "RolloutStats",
+    "RunStopped",
     "Scorer",
     "WeightUpdates",
     "check_generate_fn",
@@ -58,7 +60,11 @@ __all__ = [
     "generate_groups_resumable",
     "rollout_from_result",
     "sample_requests",
+    "until_stopped",
 ]
+
+_STOP_POLL_S = 0.25
+"""How often a running ``generate_fn`` call checks for a stop signal (seconds)."""
 
 
 def derive_seed(*parts: Any) -> int:
@@ -173,8 +179,10 @@ async def generate_groups(
         try:
             out = generate_fn(p, ctx)
             if inspect.isawaitable(out):
-                out = await out
+                out = await until_stopped(out, generate_fn_name)
             rollouts = _check_rollouts(out)
+        except RunStopped:
+            raise
         except Exception as e:  # user code must never crash the round
             reason = (
                 FailureReasons.ROLLOUT_FN_INVALID
@@ -192,6 +200,40 @@ async def generate_groups(
         return Group(prompt=p, rollouts=rollouts)
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+class RunStopped(RLError):
+    """A stop signal (Ctrl-C, SIGTERM) came while a ``generate_fn`` (an agent run) was still
+    running and it did not return within :data:`~rl_trainer.bounded.STOP_GRACE_S`: the round is
+    abandoned and the run ends without a checkpoint of the step; ``--resume`` continues from
+    the newest checkpoint."""
+
+
+async def until_stopped(awaitable: Any, name: str = "rollout.generate_fn") -> Any:
+    """Await ``awaitable`` (one ``generate_fn`` call), but cancel it and raise
+    :class:`RunStopped` once it has run :data:`~rl_trainer.bounded.STOP_GRACE_S` past a stop
+    signal (:func:`rl_trainer.stopping.stop_requested`): the first Ctrl-C stops a run whose
+    agents hang or wait on each other, instead of waiting for the step to finish."""
+    task = asyncio.ensure_future(awaitable)
+    stop_seen: float | None = None
+    try:
+        while True:
+            await asyncio.wait({task}, timeout=_STOP_POLL_S)
+            if task.done():
+                return task.result()
+            if not stopping.stop_requested():
+                continue
+            now = time.monotonic()
+            stop_seen = now if stop_seen is None else stop_seen
+            if now - stop_seen > STOP_GRACE_S:
+                raise RunStopped(
+                    f"{name} was still running {STOP_GRACE_S:g} s after a stop signal, so its "
+                    "rollouts were abandoned and the run stops without a checkpoint of this "
+                    "step; `rl-train run ... --resume` continues from the newest checkpoint."
+                )
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 class _InvalidResult(RewardError):

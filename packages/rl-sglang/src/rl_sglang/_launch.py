@@ -1,5 +1,6 @@
-"""GPU launch options of :class:`~rl_sglang.generator.SGLangGenerator`: the SGLang server
-arguments built from its typed config fields, and the GPU budget check.
+"""Launching the servers of :class:`~rl_sglang.generator.SGLangGenerator` on this node: the SGLang
+server arguments built from its typed config fields, the GPU budget check, and
+:class:`ServerLauncher`, which starts one server (or the router) with them.
 
 The typed fields map to SGLang 0.5.23 flags (read from its parser):
 
@@ -26,15 +27,21 @@ behind a router, ``use_router``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 from rl_core.errors import ConfigError
+from rl_sglang.server import ManagedProcess, launch_router, launch_server
 
-if TYPE_CHECKING:
-    from rl_sglang.generator import SGLangGenerator
-
-__all__ = ["TYPED_SERVER_ARGS", "check_gpu_budget", "typed_server_args", "visible_gpus"]
+__all__ = [
+    "TYPED_SERVER_ARGS",
+    "LaunchOptions",
+    "ServerLauncher",
+    "check_gpu_budget",
+    "typed_server_args",
+    "visible_gpus",
+]
 
 TYPED_SERVER_ARGS: Mapping[str, str] = {
     "tp_size": "tp_size",
@@ -57,7 +64,50 @@ TYPED_SERVER_ARGS: Mapping[str, str] = {
 """SGLang ``ServerArgs`` fields set from a typed config field (``server_args`` key -> field)."""
 
 
-def typed_server_args(config: SGLangGenerator.Config, index: int) -> dict[str, Any]:
+class LaunchOptions(Protocol):
+    """The launch settings of ``SGLangGenerator.Config`` read here (the config is one)."""
+
+    @property
+    def model_path(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def initial_version(self) -> int: ...
+    @property
+    def router_policy(self) -> str: ...
+    @property
+    def server_urls(self) -> tuple[str, ...]: ...
+    @property
+    def num_servers(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def base_gpu_id(self) -> int: ...
+    @property
+    def mem_fraction_static(self) -> float | None: ...
+    @property
+    def disable_cuda_graph(self) -> bool: ...
+    @property
+    def cuda_graph_max_bs(self) -> int | None: ...
+    @property
+    def enable_memory_saver(self) -> bool: ...
+    @property
+    def capture_routing(self) -> bool: ...
+    @property
+    def enable_lora(self) -> bool: ...
+    @property
+    def max_lora_rank(self) -> int | None: ...
+    @property
+    def lora_target_modules(self) -> tuple[str, ...]: ...
+    @property
+    def max_loras_per_batch(self) -> int | None: ...
+
+
+def typed_server_args(config: LaunchOptions, index: int) -> dict[str, Any]:
     """The SGLang server arguments of server ``index`` (on this node) from the typed fields;
     only what differs from SGLang's defaults."""
     out: dict[str, Any] = {}
@@ -103,7 +153,7 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def check_gpu_budget(config: SGLangGenerator.Config, visible: int | None) -> None:
+def check_gpu_budget(config: LaunchOptions, visible: int | None) -> None:
     """Refuse launching more GPU servers than this node has visible GPUs (when known)."""
     if config.device != "cuda" or visible is None or config.server_urls:
         return
@@ -115,4 +165,54 @@ def check_gpu_budget(config: SGLangGenerator.Config, visible: int | None) -> Non
             f"= {need} GPUs, but {visible} are visible (CUDA_VISIBLE_DEVICES / "
             "torch.cuda.device_count()); lower num_servers, tp_size or dp_size, or launch the "
             "other servers on other nodes and attach them with server_urls."
+        )
+
+
+class ServerLauncher:
+    """Starts the generator's SGLang servers (and its router) on this node."""
+
+    def __init__(
+        self,
+        options: LaunchOptions,
+        *,
+        python: str,
+        server_args: Mapping[str, Any],
+        log_dir: Path,
+    ) -> None:
+        """Launch with ``options`` (the generator's config) from ``python``; ``server_args``:
+        the validated arguments shared by every server; logs under ``log_dir``."""
+        self.options = options
+        """The launch settings."""
+        self.python = python
+        """Interpreter the servers and the router run in."""
+        self.server_args = dict(server_args)
+        """Arguments of every server (each adds its own :func:`typed_server_args`)."""
+        self.log_dir = log_dir
+        """Directory of the server and router logs (and their working directory)."""
+
+    def server(self, port: int, index: int) -> ManagedProcess:
+        """Start server ``index`` on ``port`` (not waited for)."""
+        o = self.options
+        return launch_server(
+            model_path=o.model_path,
+            python=self.python,
+            port=port,
+            server_args={**self.server_args, **typed_server_args(o, index)},
+            device=o.device,
+            log_dir=self.log_dir,
+            host=o.host,
+            name=f"sglang-{index}",
+            weight_version=o.initial_version,
+        )
+
+    def router(self, worker_urls: Sequence[str], port: int) -> ManagedProcess:
+        """Start the SGLang router in front of ``worker_urls`` on ``port`` (not waited for)."""
+        o = self.options
+        return launch_router(
+            worker_urls=list(worker_urls),
+            python=self.python,
+            port=port,
+            log_dir=self.log_dir,
+            host=o.host,
+            policy=o.router_policy,
         )

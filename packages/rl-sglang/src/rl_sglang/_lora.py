@@ -1,4 +1,5 @@
-"""LoRA adapters of :class:`~rl_sglang.generator.SGLangGenerator` (SGLang's multi-LoRA serving).
+"""LoRA adapters of :class:`~rl_sglang.generator.SGLangGenerator` (SGLang's multi-LoRA serving):
+the :class:`LoRARegistry` it owns.
 
 Verified on the CPU engine (SGLang 0.5.23, ``--lora-backend torch_native``, the pinning patch of
 ``cpu_site/sitecustomize.py``): a peft-format adapter (``adapter_config.json`` +
@@ -34,7 +35,6 @@ import dataclasses
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import torch
@@ -43,7 +43,10 @@ from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.lora import AdapterInfo, adapter_of, save_adapter, split_adapters
 from rl_core.types import GenerationRequest, WeightUpdate
-from rl_sglang._state import _GeneratorState, _Server
+from rl_sglang._fleet import ServerFleet
+from rl_sglang._http import Server, ServerClient
+from rl_sglang._io import IOLoop
+from rl_sglang._weights import WeightUpdater
 
 
 class _AdapterSink:
@@ -67,37 +70,61 @@ class _AdapterSink:
         self._version = version
 
 
-class _LoRAMixin(_GeneratorState):
-    """Load, replace and unload named adapters on every server; pick one per request."""
+class LoRARegistry:
+    """The adapters loaded on every server: load, replace and unload them by name, load
+    adapter-only weight updates under versioned names, pick the adapter of each request."""
+
+    def __init__(
+        self,
+        *,
+        io: IOLoop,
+        client: ServerClient,
+        fleet: ServerFleet,
+        weights: WeightUpdater,
+        adapters_dir: Path,
+        enabled: bool,
+        max_rank: int | None,
+        target_modules: Sequence[str],
+    ) -> None:
+        """``enabled``: the servers were launched with ``enable_lora``, for adapters up to
+        ``max_rank`` on ``target_modules`` (``None`` / empty: not known); adapter updates are
+        written under ``adapters_dir``."""
+        self._io = io
+        self._client = client
+        self._fleet = fleet
+        self._weights = weights
+        self._adapters_dir = adapters_dir
+        self.enabled = enabled
+        """The servers serve LoRA adapters."""
+        self._max_rank = max_rank
+        self._target_modules = tuple(target_modules)
+        self._lora: dict[str, str] = {}
+        self._lora_alias: dict[str, str] = {}  # adapter name -> versioned name (adapter updates)
+        self._default_lora: str | None = None
 
     @property
-    def lora_adapters(self) -> dict[str, str]:
-        """Loaded adapters: name -> path (as loaded by this generator; adapter updates appear
-        under their versioned names, e.g. ``task-v7``)."""
+    def adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> path."""
         return dict(self._lora)
 
     @property
-    def lora_versions(self) -> dict[str, str]:
-        """Adapters loaded by adapter-only weight updates: adapter name -> the versioned name it
-        serves under now (requests may use either)."""
+    def versions(self) -> dict[str, str]:
+        """Adapters of adapter-only updates: name -> the versioned name it serves under."""
         return dict(self._lora_alias)
 
     @property
-    def default_lora_adapter(self) -> str | None:
+    def default(self) -> str | None:
         """Adapter of requests that name none (``None``: the base model)."""
         return self._default_lora
 
-    @default_lora_adapter.setter
-    def default_lora_adapter(self, name: str | None) -> None:
+    @default.setter
+    def default(self, name: str | None) -> None:
         if name is not None:
             self._check_adapter(name, "default_lora_adapter")
         self._default_lora = name
 
-    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
-        """Load the peft-format adapter at ``path`` under ``name`` on every server; a name that
-        is already loaded is replaced (unloaded, then loaded: the way to publish new adapter
-        weights). ``pinned`` keeps it from being evicted when more adapters are loaded than
-        ``max_loaded_loras``."""
+    async def load(self, name: str, path: str, *, pinned: bool = False) -> None:
+        """Load (or replace) adapter ``name`` from the peft directory ``path`` on every server."""
         self._require_lora("load_lora_adapter")
         if not (Path(path) / "adapter_config.json").is_file():
             raise GenerationError(
@@ -107,7 +134,7 @@ class _LoRAMixin(_GeneratorState):
             )
 
         async def go() -> None:
-            up = [s for s in self._servers if s.up]
+            up = self._fleet.up()
             if name in self._lora:
                 await asyncio.gather(*(self._unload_one(s, name) for s in up))
                 self._lora.pop(name)
@@ -116,31 +143,31 @@ class _LoRAMixin(_GeneratorState):
 
         await self._io.run(go())
 
-    async def unload_lora_adapter(self, name: str) -> None:
-        """Unload adapter ``name`` from every server; requests naming it are refused after."""
+    async def unload(self, name: str) -> None:
+        """Unload adapter ``name`` (or the version it serves under) from every server."""
         self._check_adapter(name, "unload_lora_adapter")
 
         async def go() -> None:
             served = self._lora_alias.pop(name, name)
-            await asyncio.gather(*(self._unload_one(s, served) for s in self._servers if s.up))
+            await asyncio.gather(*(self._unload_one(s, served) for s in self._fleet.up()))
             self._lora.pop(served, None)
             if self._default_lora in (name, served):
                 self._default_lora = None
 
         await self._io.run(go())
 
-    async def _update_adapter(self, update: WeightUpdate, transport: WeightTransport) -> None:
+    async def update(self, update: WeightUpdate, transport: WeightTransport) -> None:
         """Load the adapter-only ``update`` (see the module doc); on failure the generator keeps
         its previous adapter and version."""
         info = adapter_of(update)
         assert info is not None
         self._check_adapter_serving(update, info)
-        if update.version <= self._version:
+        if update.version <= self._weights.version:
             raise WeightSyncError(
                 f"SGLangGenerator: weight version {update.version} refused: already on "
-                f"{self._version} (replayed or out-of-order update)."
+                f"{self._weights.version} (replayed or out-of-order update)."
             )
-        sink = _AdapterSink(self._version)
+        sink = _AdapterSink(self._weights.version)
         await asyncio.to_thread(transport.apply, update, sink)
         if not sink.tensors:
             raise WeightSyncError(
@@ -158,7 +185,7 @@ class _LoRAMixin(_GeneratorState):
         loaded = []
         for name, tensors in adapters:
             served = f"{name}-v{update.version}"
-            directory = Path(self.log_dir) / "adapters" / served  # type: ignore[attr-defined]
+            directory = self._adapters_dir / served
             lora = dataclasses.replace(info.lora, name=name)
             await asyncio.to_thread(save_adapter, directory, tensors, lora, base_model=base)
             loaded.append((name, served, str(directory)))
@@ -166,13 +193,13 @@ class _LoRAMixin(_GeneratorState):
             await self._io.run(self._swap_adapter(name, served, directory, update.version))
 
     async def _swap_adapter(self, name: str, served: str, path: str, version: int) -> None:
-        async with self._weights_lock():  # type: ignore[attr-defined]
-            up = [s for s in self._servers if s.up]
+        weights = self._weights
+        async with weights.lock():
+            up = self._fleet.up()
             if not up:
                 raise WeightSyncError("SGLangGenerator: no server in rotation to update.")
             old = self._lora_alias.get(name)
-            self._updating = True
-            try:
+            with weights.in_update():
                 results = await asyncio.gather(
                     *(self._load_one(s, served, path) for s in up), return_exceptions=True
                 )
@@ -180,7 +207,7 @@ class _LoRAMixin(_GeneratorState):
                 if failed:
                     for s, r in failed:
                         if isinstance(r, aiohttp.ClientError | asyncio.TimeoutError | OSError):
-                            self._mark_down(s, f"adapter load failed: {r!r}")  # type: ignore[attr-defined]
+                            self._fleet.mark_down(s, f"adapter load failed: {r!r}")
                     loaded = [s for s in up if all(s is not f for f, _ in failed)]
                     await asyncio.gather(
                         *(self._unload_one(s, served) for s in loaded), return_exceptions=True
@@ -188,16 +215,14 @@ class _LoRAMixin(_GeneratorState):
                     raise WeightSyncError(
                         f"SGLangGenerator: adapter {name!r} version {version} failed to load on "
                         f"{[s.url for s, _ in failed]}: {failed[0][1]}; the generator stays on "
-                        f"version {self._version}."
+                        f"version {weights.version}."
                     ) from failed[0][1]
                 self._lora[served] = path
                 self._lora_alias[name] = served
                 if self._default_lora is None or self._default_lora in (old, name):
                     self._default_lora = served
-                await asyncio.gather(*(self._set_version(s, version) for s in up))  # type: ignore[attr-defined]
-                self._version = version
-            finally:
-                self._updating = False
+                await asyncio.gather(*(self._client.set_version(s, version) for s in up))
+                weights.adopt(version)
             if old is not None and old != served:
                 # SGLang waits for the requests still running on ``old`` before it drops it.
                 await asyncio.gather(
@@ -219,11 +244,10 @@ class _LoRAMixin(_GeneratorState):
             f"SGLangGenerator.update_weights: weight version {update.version} is an adapter-only "
             f"update (LoRA {info.name!r}, rank {lora.rank}, targets {sorted(lora.target_modules)})"
         )
-        if not self.supports_lora:
+        if not self.enabled:
             raise ConfigError(f"{what}, but the servers were launched without LoRA; {want}.")
-        info_args: dict[str, Any] = getattr(self, "_server_info", {}) or {}
-        max_rank = info_args.get("max_lora_rank") or self.config.max_lora_rank
-        targets = info_args.get("lora_target_modules") or self.config.lora_target_modules
+        max_rank = self._max_rank
+        targets = self._target_modules
         if max_rank is not None and lora.rank > int(max_rank):
             raise ConfigError(f"{what}, but the servers take ranks up to {max_rank}; {want}.")
         if targets and "all" not in targets:
@@ -234,20 +258,20 @@ class _LoRAMixin(_GeneratorState):
                     f"{missing}); {want}."
                 )
 
-    async def _load_one(self, s: _Server, name: str, path: str, pinned: bool = False) -> None:
+    async def _load_one(self, s: Server, name: str, path: str, pinned: bool = False) -> None:
         body = {"lora_name": name, "lora_path": str(path), "pinned": pinned}
-        await self._control(s, "/load_lora_adapter", body)
+        await self._client.control(s, "/load_lora_adapter", body)
 
-    async def _unload_one(self, s: _Server, name: str) -> None:
-        await self._control(s, "/unload_lora_adapter", {"lora_name": name})
+    async def _unload_one(self, s: Server, name: str) -> None:
+        await self._client.control(s, "/unload_lora_adapter", {"lora_name": name})
 
-    async def _reload_adapters(self, s: _Server) -> None:
+    async def reload(self, s: Server) -> None:
         """Load every adapter on a restarted server."""
         for name, path in self._lora.items():
             await self._load_one(s, name, path)
 
     def _require_lora(self, what: str) -> None:
-        if not self.supports_lora:
+        if not self.enabled:
             raise GenerationError(
                 f"SGLangGenerator.{what}: the servers were launched without LoRA; set "
                 "SGLangGenerator.Config.enable_lora=true with max_lora_rank and "
@@ -262,11 +286,11 @@ class _LoRAMixin(_GeneratorState):
                 f"{sorted(self._lora)}); call load_lora_adapter({name!r}, path) first."
             )
 
-    def _adapters_for(
+    def adapters_for(
         self, requests: Sequence[GenerationRequest], lora_adapter: str | Sequence[str | None] | None
     ) -> list[str | None]:
         """The adapter name of each request (``None``: the base model): ``lora_adapter``, else
-        the request's own ``adapter``, else the default."""
+        the request's own ``adapter``, else the default; resolved to the served version."""
         if lora_adapter is None:
             names: list[str | None] = [r.adapter or self._default_lora for r in requests]
         elif isinstance(lora_adapter, str):

@@ -1,12 +1,16 @@
-"""Weight updates and memory release of :class:`~rl_sglang.generator.SGLangGenerator`."""
+"""Weight updates and memory release of :class:`~rl_sglang.generator.SGLangGenerator`: the
+servers' weight version, loading new weights (a checkpoint directory, tensors, a collective
+broadcast) on every server in rotation, re-syncing a server that comes back
+(:class:`WeightUpdater`)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,50 +18,80 @@ import aiohttp
 import torch
 
 from rl_core.errors import GenerationError, WeightSyncError
-from rl_core.interfaces import WeightTransport
-from rl_core.lora import adapter_of
 from rl_core.moe_weights import has_fused_experts, is_fused_expert_name, unfuse_expert_tensors
 from rl_core.types import WeightUpdate
-from rl_sglang._state import _GeneratorState, _Server
+from rl_sglang._fleet import ServerFleet
+from rl_sglang._http import Server, ServerClient
+from rl_sglang._io import IOLoop
 
 log = logging.getLogger("rl_sglang.generator")  # the generator's logger, as before the split
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""What SGLang 0.5.23 can release: model weights, the KV cache, captured CUDA graphs."""
 
-class _WeightsMixin(_GeneratorState):
-    """Load new weights on every server (disk, tensors or a collective), stamp versions, re-sync."""
 
-    async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
-        """Load ``update`` through ``transport`` on every server; on failure keep the old ones.
+class WeightUpdater:
+    """The weight version the servers serve and every change to it.
 
-        An adapter-only update (:func:`rl_core.lora.adapter_of`) is loaded as a LoRA adapter
-        (:mod:`rl_sglang._lora`; the servers must run with ``enable_lora``, else
-        :class:`~rl_core.errors.ConfigError`). A collective transport (:class:`~rl_sglang.collective.SGLangCollectiveTransport`)
-        broadcasts into the servers; disk transports hand the verified checkpoint directory to
-        ``/update_weights_from_disk``; any other transport's tensors are pushed with
-        ``/update_weights_from_tensor``.
-        """
-        from rl_sglang.collective import SGLangCollectiveTransport
+    One lock (:meth:`lock`) serialises updates with the re-sync of a server coming back; while an
+    update runs, :attr:`updating` is true (responses may mix versions; no health probes).
+    """
 
-        if self._closed:
-            raise GenerationError("SGLangGenerator.update_weights: the generator is closed.")
-        if adapter_of(update) is not None:
-            if isinstance(transport, SGLangCollectiveTransport):
-                raise WeightSyncError(
-                    "SGLangGenerator.update_weights: adapter-only updates do not go through "
-                    "sglang_collective (it writes model weights into the servers); send them "
-                    "with disk_full, disk_delta, broadcast or inprocess."
-                )
-            await self._update_adapter(update, transport)  # type: ignore[attr-defined]
-            return
-        if isinstance(transport, SGLangCollectiveTransport):
-            await self._io.run(self._distributed_update(update, transport))
-            return
-        await asyncio.to_thread(transport.apply, update, self)
+    def __init__(
+        self,
+        *,
+        io: IOLoop,
+        client: ServerClient,
+        fleet: ServerFleet,
+        version: int,
+        base_model: str,
+    ) -> None:
+        """Start at ``version``; ``base_model``: the checkpoint the servers were launched with
+        (reloaded after a memory release when no update happened yet)."""
+        self._io = io
+        self._client = client
+        self._fleet = fleet
+        self._version = version
+        self._updating = False
+        self._source: tuple[str, Any] | None = None  # how to re-sync a restarted server
+        self._base_model = base_model
+        self._lock: asyncio.Lock | None = None
 
-    def load_weights_from_disk(self, path: str, *, version: int) -> None:
-        """Point every server at the Hugging Face checkpoint ``path`` and set ``version``.
+    @property
+    def version(self) -> int:
+        """Version of the weights the servers serve."""
+        return self._version
 
-        Called by disk transports after they verified the checkpoint (``DiskWeightTarget``).
+    @property
+    def updating(self) -> bool:
+        """True while an update runs."""
+        return self._updating
+
+    def lock(self) -> asyncio.Lock:
+        """The lock of weight changes (created on the IO loop at first use)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    @contextlib.contextmanager
+    def in_update(self) -> Iterator[None]:
+        """Mark an update as running for the body (hold :meth:`lock` around it)."""
+        self._updating = True
+        try:
+            yield
+        finally:
+            self._updating = False
+
+    def adopt(self, version: int) -> None:
+        """Record that the servers now serve ``version`` without new base weights (an adapter
+        update): a restarted server still re-syncs from the last base update."""
+        self._version = version
+
+    # ------------------------------------------------------------------ full updates
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        """Point every server at the Hugging Face checkpoint ``path`` and set ``version``
+        (blocks; not from the IO loop).
 
         Raises:
             WeightSyncError: the checkpoint holds transformers' fused MoE expert tensors, which
@@ -74,12 +108,9 @@ class _WeightsMixin(_GeneratorState):
             )
         self._io.call(self._update_all("disk", str(path), int(version)))
 
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
-    ) -> None:
-        """Push Hugging Face-named tensors to every server and set ``version``. transformers'
-        fused MoE expert tensors are sent as one tensor per expert, the names SGLang loads
-        (:mod:`rl_core.moe_weights`; SGLang skips fused names with a warning)."""
+    def load_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push Hugging Face-named tensors to every server and set ``version`` (blocks; fused
+        MoE expert tensors are sent as one tensor per expert, the names SGLang loads)."""
         tensors = [
             (n, t.detach().to("cpu").contiguous().clone())
             for n, t in unfuse_expert_tensors(named_tensors)
@@ -87,10 +118,9 @@ class _WeightsMixin(_GeneratorState):
         self._io.call(self._update_all("tensors", tensors, int(version)))
 
     async def _update_all(self, kind: str, payload: Any, version: int) -> None:
-        async with self._weights_lock():
-            self._updating = True
-            try:
-                up = [s for s in self._servers if s.up]
+        async with self.lock():
+            with self.in_update():
+                up = self._fleet.up()
                 one = self._disk_one if kind == "disk" else self._tensors_one
                 results = await asyncio.gather(
                     *(one(s, payload, version) for s in up), return_exceptions=True
@@ -98,13 +128,13 @@ class _WeightsMixin(_GeneratorState):
                 errors = []
                 for s, r in zip(up, results):
                     if isinstance(r, aiohttp.ClientError | asyncio.TimeoutError | OSError):
-                        self._mark_down(s, f"weight update failed: {r!r}")  # resyncs later
+                        self._fleet.mark_down(s, f"weight update failed: {r!r}")  # resyncs later
                     elif isinstance(r, BaseException):
                         errors.append((s, r))
                 if errors:
                     if len(errors) < len(up):
                         for s, _ in errors:
-                            self._mark_down(s, "weight update failed")
+                            self._fleet.mark_down(s, "weight update failed")
                     raise WeightSyncError(
                         f"SGLangGenerator: weight version {version} ({kind}) failed on "
                         f"{[s.url for s, _ in errors]}: {errors[0][1]}; the generator stays on "
@@ -112,11 +142,9 @@ class _WeightsMixin(_GeneratorState):
                     ) from errors[0][1]
                 self._version = version
                 self._source = (kind, payload)
-            finally:
-                self._updating = False
 
-    async def _disk_one(self, s: _Server, path: str, version: int) -> None:
-        await self._control(
+    async def _disk_one(self, s: Server, path: str, version: int) -> None:
+        await self._client.control(
             s,
             "/update_weights_from_disk",
             {
@@ -124,21 +152,21 @@ class _WeightsMixin(_GeneratorState):
                 "weight_version": str(version),
                 "flush_cache": True,
                 "abort_all_requests": False,
-                "keep_pause": self._paused is not None,
+                "keep_pause": self._fleet.paused is not None,
             },
         )
 
     async def _tensors_one(
-        self, s: _Server, tensors: list[tuple[str, torch.Tensor]], version: int
+        self, s: Server, tensors: list[tuple[str, torch.Tensor]], version: int
     ) -> None:
         # Plain pickle, base64: SGLang's SafeUnpickler rebuilds the inlined storages. (The
         # default ForkingPickler payload shares CPU storages by fd and crashes a CPU server.)
         blob = await asyncio.to_thread(
             lambda: base64.b64encode(pickle.dumps(tensors, protocol=4)).decode()
         )
-        await self._control(s, "/begin_weight_update", {})
+        await self._client.control(s, "/begin_weight_update", {})
         try:
-            await self._control(
+            await self._client.control(
                 s,
                 "/update_weights_from_tensor",
                 {
@@ -148,84 +176,69 @@ class _WeightsMixin(_GeneratorState):
                 },
             )
         finally:
-            await self._control(s, "/end_weight_update", {})
+            await self._client.control(s, "/end_weight_update", {})
 
-    async def _distributed_update(self, update: WeightUpdate, transport: Any) -> None:
-        async with self._weights_lock():
+    async def distributed_update(self, update: WeightUpdate, transport: Any) -> None:
+        """Broadcast ``update`` into the servers through the collective ``transport``
+        (:class:`~rl_sglang.collective.SGLangCollectiveTransport`; on the IO loop)."""
+        async with self.lock():
             if update.version <= self._version:
                 raise WeightSyncError(
                     f"SGLangGenerator: weight version {update.version} refused: already on "
                     f"{self._version} (replayed or out-of-order update)."
                 )
-            up = [s for s in self._servers if s.up]
+            up = self._fleet.up()
             if not up:
                 raise WeightSyncError("SGLangGenerator: no server in rotation to update.")
-            self._updating = True
-            try:
-                await transport.push(update, up, self)
+            with self.in_update():
+                await transport.push(update, up, self._client)
                 self._version = update.version
                 self._source = ("tensors", transport.staged(update.version))
-            finally:
-                self._updating = False
+
+    async def resync(self, s: Server) -> None:
+        """Bring ``s`` to the current weights and version from the last update's source (hold
+        :meth:`lock`)."""
+        kind, payload = self._source or ("base", None)
+        if kind == "disk":
+            await self._disk_one(s, payload, self._version)
+        elif kind == "tensors":
+            await self._tensors_one(s, payload, self._version)
+        else:
+            await self._client.set_version(s, self._version)
 
     # ------------------------------------------------------------------ memory (GPU only)
 
-    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Free GPU memory on every server for a colocated trainer: ``tags`` among
-        :data:`MEMORY_TAGS` (``None``: all of them). New requests wait until
-        :meth:`resume_memory`.
-
-        Needs servers on CUDA launched with ``enable_memory_saver`` (``supports_memory_release``);
-        refused otherwise (on CPU SGLang's handler calls ``torch.cuda.synchronize`` and the
-        server dies)."""
-        await self._memory("/release_memory_occupation", _memory_tags(tags))
-
-    async def resume_memory(
-        self, tags: Sequence[str] | None = None, *, reload_weights: bool = True
-    ) -> None:
-        """Undo :meth:`release_memory` for ``tags`` (``None``: all). When ``weights`` come back
-        and ``reload_weights`` is true, every server reloads the current weights and version
-        (the last update's source, or the checkpoint it was launched with): released weight
-        memory comes back uninitialised. Pass ``reload_weights=False`` when an update follows
-        at once (the colocated loop pushes new weights right after)."""
-        want = _memory_tags(tags)
-        await self._memory("/resume_memory_occupation", want)
-        if reload_weights and (want is None or "weights" in want):
-
-            async def reload() -> None:
-                async with self._weights_lock():
-                    up = [s for s in self._servers if s.up]
-                    await asyncio.gather(*(self._reload_one(s) for s in up))
-
-            await self._io.run(reload())
-
-    async def _reload_one(self, s: _Server) -> None:
-        if self._source is not None:
-            await self._resync(s)
-            return
-        path = self.config.model_path or str(getattr(self, "_server_info", {}).get("model_path"))
-        await self._disk_one(s, path, self._version)
-
-    async def _memory(self, path: str, tags: list[str] | None) -> None:
-        if not self.supports_memory_release:
-            raise GenerationError(
-                f"SGLangGenerator{path}: the servers cannot release memory (they need "
-                "device='cuda' and SGLangGenerator.Config.enable_memory_saver=true; on CPU the "
-                "call kills the server). Check generator.supports_memory_release first."
-            )
+    async def memory(self, path: str, tags: list[str] | None) -> None:
+        """POST the memory call ``path`` (release or resume) with ``tags`` to every server in
+        rotation."""
 
         async def go() -> None:
             body = {"tags": tags}
-            await asyncio.gather(*(self._control(s, path, body) for s in self._servers if s.up))
+            await asyncio.gather(
+                *(self._client.control(s, path, body) for s in self._fleet.servers if s.up)
+            )
 
         await self._io.run(go())
 
+    async def reload(self) -> None:
+        """Reload the current weights and version on every server in rotation (after their
+        weight memory came back): the last update's source, or the launch checkpoint."""
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-"""What SGLang 0.5.23 can release: model weights, the KV cache, captured CUDA graphs."""
+        async def go() -> None:
+            async with self.lock():
+                await asyncio.gather(*(self._reload_one(s) for s in self._fleet.up()))
+
+        await self._io.run(go())
+
+    async def _reload_one(self, s: Server) -> None:
+        if self._source is not None:
+            await self.resync(s)
+            return
+        await self._disk_one(s, self._base_model, self._version)
 
 
-def _memory_tags(tags: Sequence[str] | None) -> list[str] | None:
+def memory_tags(tags: Sequence[str] | None) -> list[str] | None:
+    """``tags`` checked against :data:`MEMORY_TAGS`, deduplicated (``None``: all)."""
     if tags is None:
         return None
     out = list(dict.fromkeys(str(t) for t in tags))

@@ -35,6 +35,7 @@ from rl_core.config import Port, PositiveFloat
 from rl_core.errors import ConfigError, WeightSyncError
 from rl_core.interfaces import WeightTransport
 from rl_core.types import WeightUpdate
+from rl_sglang._http import Server, ServerClient
 
 __all__ = ["SGLangCollectiveTransport", "init_custom_process_group"]
 
@@ -188,11 +189,11 @@ class SGLangCollectiveTransport(WeightTransport):
 
     # -- the group ------------------------------------------------------------------------------
 
-    async def _regroup(self, servers: Sequence[Any], gen: Any) -> None:
+    async def _regroup(self, servers: Sequence[Server], client: ServerClient) -> None:
         """Build a fresh group of this process (rank 0) and ``servers`` (ranks 1..N)."""
         from rl_sglang.server import free_port
 
-        await self._drop_group(servers, gen)
+        await self._drop_group(servers, client)
         c = self.config
         self._groups_made += 1
         name = f"{c.group_name}-{self._groups_made}"
@@ -211,7 +212,7 @@ class SGLangCollectiveTransport(WeightTransport):
             )
 
         calls = [
-            gen._control(
+            client.control(
                 s,
                 "/init_weights_update_group",
                 {
@@ -236,13 +237,15 @@ class SGLangCollectiveTransport(WeightTransport):
         self._group_name = name
         self._members = tuple(s.url for s in servers)
 
-    async def _drop_group(self, servers: Sequence[Any], gen: Any) -> None:
+    async def _drop_group(self, servers: Sequence[Server], client: ServerClient) -> None:
         if self._pg is None:
             return
         still = [s for s in servers if s.url in self._members]
         await asyncio.gather(
             *(
-                gen._post(s.url, "/destroy_weights_update_group", {"group_name": self._group_name})
+                client.post(
+                    s.url, "/destroy_weights_update_group", {"group_name": self._group_name}
+                )
                 for s in still
             ),
             return_exceptions=True,
@@ -260,8 +263,11 @@ class SGLangCollectiveTransport(WeightTransport):
             opts.rootTensor = 0
             self._pg.broadcast([t], opts).wait()
 
-    async def push(self, update: WeightUpdate, servers: Sequence[Any], gen: Any) -> None:
-        """Broadcast the staged ``update`` into ``servers`` (called by the SGLang generator).
+    async def push(
+        self, update: WeightUpdate, servers: Sequence[Server], client: ServerClient
+    ) -> None:
+        """Broadcast the staged ``update`` into ``servers`` over their HTTP ``client`` (called by
+        the SGLang generator's weight updater).
 
         Builds the group if the servers changed, then per server ``/begin_weight_update``,
         ``/update_weights_from_distributed`` (while this process broadcasts), ``/end_weight_update``.
@@ -273,7 +279,7 @@ class SGLangCollectiveTransport(WeightTransport):
             )
         tensors = self.staged(update.version)
         if tuple(s.url for s in servers) != self._members:
-            await self._regroup(servers, gen)
+            await self._regroup(servers, client)
         body = {
             "names": [n for n, _ in tensors],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
@@ -282,22 +288,22 @@ class SGLangCollectiveTransport(WeightTransport):
             "weight_version": str(update.version),
             "flush_cache": True,
         }
-        await asyncio.gather(*(gen._control(s, "/begin_weight_update", {}) for s in servers))
+        await asyncio.gather(*(client.control(s, "/begin_weight_update", {}) for s in servers))
         try:
             results = await asyncio.gather(
                 asyncio.to_thread(self._broadcast, tensors),
-                *(gen._control(s, "/update_weights_from_distributed", body) for s in servers),
+                *(client.control(s, "/update_weights_from_distributed", body) for s in servers),
                 return_exceptions=True,
             )
         finally:
             await asyncio.gather(
-                *(gen._control(s, "/end_weight_update", {}) for s in servers),
+                *(client.control(s, "/end_weight_update", {}) for s in servers),
                 return_exceptions=True,
             )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             # The group may be left mid-collective: rebuild it next time.
-            await self._drop_group(servers, gen)
+            await self._drop_group(servers, client)
             raise WeightSyncError(
                 f"SGLangCollectiveTransport: weight version {update.version} failed: {errors[0]!r}"
             ) from errors[0]

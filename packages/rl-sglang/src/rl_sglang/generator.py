@@ -41,9 +41,13 @@ Seeds: SGLang honours ``sampling_seed`` only with ``--enable-deterministic-infer
 needs a GPU attention backend; on CPU, seeded requests are sent with their seed but sampling is
 not reproducible.
 
-Layout: this module holds the config, start-up and shutdown; the class gets its request handling
-from ``_requests``, abort/pause/health/restart from ``_control``, weight updates from
-``_weights`` and its HTTP helpers from ``_http`` (mixins over the shared state in ``_state``).
+Layout: this module holds the config and composes the generator from the parts it owns, each an
+object with its own state: the :class:`~rl_sglang._fleet.ServerFleet` (launch or attach, router,
+pause, health, restart; ``_fleet``), the :class:`~rl_sglang._requests.RequestDispatcher`
+(requests, retries, aborts; ``_requests``), the :class:`~rl_sglang._weights.WeightUpdater` (the
+weight version and every update; ``_weights``) and the :class:`~rl_sglang._lora.LoRARegistry`
+(adapters; ``_lora``), over one :class:`~rl_sglang._http.ServerClient` and the private IO loop
+(``_io``); the launch options are in ``_launch``.
 """
 
 from __future__ import annotations
@@ -51,12 +55,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import tempfile
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
+
+import torch
 
 from rl_core.config import (
     NonNegFloat,
@@ -67,39 +73,32 @@ from rl_core.config import (
     Seed,
     check_ranges,
 )
-from rl_core.errors import ConfigError
-from rl_core.interfaces import Generator
-from rl_sglang._control import _ControlMixin
-from rl_sglang._http import _HTTPMixin
+from rl_core.errors import ConfigError, GenerationError, WeightSyncError
+from rl_core.interfaces import Generator, WeightTransport
+from rl_core.lora import adapter_of
+from rl_core.types import GenerationRequest, GenerationResult, WeightUpdate
+from rl_sglang._fleet import PAUSE_MODES, ServerFleet
+from rl_sglang._http import ServerClient
 from rl_sglang._io import IOLoop
 from rl_sglang._launch import (
     TYPED_SERVER_ARGS,
+    ServerLauncher,
     check_gpu_budget,
     typed_server_args,
     visible_gpus,
 )
-from rl_sglang._lora import _LoRAMixin
-from rl_sglang._requests import _RequestsMixin
+from rl_sglang._lora import LoRARegistry
+from rl_sglang._requests import RequestDispatcher
 from rl_sglang._routing import RoutingLayout, check_servable
-from rl_sglang._state import PAUSE_MODES, _Live, _Server
-from rl_sglang._weights import _WeightsMixin
-from rl_sglang.server import (
-    ManagedProcess,
-    ServerArgs,
-    free_port,
-    launch_router,
-    launch_server,
-    wait_healthy,
-)
+from rl_sglang._weights import WeightUpdater, memory_tags
+from rl_sglang.server import ManagedProcess, ServerArgs
 
 __all__ = ["PAUSE_MODES", "SGLangGenerator"]
 
 log = logging.getLogger(__name__)
 
 
-class SGLangGenerator(
-    _RequestsMixin, _ControlMixin, _WeightsMixin, _LoRAMixin, _HTTPMixin, Generator
-):
+class SGLangGenerator(Generator):
     """Rollout on SGLang servers (launched or attached), optionally behind the SGLang router."""
 
     supports_abort: ClassVar[bool] = True
@@ -363,40 +362,47 @@ class SGLangGenerator(
         }
         """Counters: requests served, retries, requests given up, server restarts, responses
         on a wrong weight version."""
-        self._version = c.initial_version
-        self._updating = False
-        self._paused: str | None = None
-        self._closed = False
-        self._seed_rng = random.Random(c.seed)
-        self._live: dict[str, list[_Live]] = {}
-        self._abort_epoch = 0  # bumped by abort-all; generate() calls from before it are aborted
-        self._source: tuple[str, Any] | None = None  # how to re-sync a restarted server
-        self._router: ManagedProcess | None = None
-        self._router_sem: asyncio.Semaphore | None = None
-        self._background: set[asyncio.Future[Any]] = set()
-        self.router_url: str | None = c.router_url.rstrip("/") if c.router_url else None
-        """URL ``/generate`` traffic goes to when a router is used."""
         self._io = IOLoop("SGLangGenerator-io", max_connections=0)
         self._procs: list[ManagedProcess] = []
         self._finalizer = weakref.finalize(self, _cleanup, self._procs, self._io)
-        self._servers: list[_Server] = []
+        client = ServerClient(self._io)
+        launcher = ServerLauncher(
+            c, python=self.python, server_args=self.server_args, log_dir=self.log_dir
+        )
+        self._fleet = fleet = ServerFleet(
+            io=self._io,
+            client=client,
+            launcher=launcher,
+            procs=self._procs,
+            stats=self.stats,
+            max_concurrency=c.max_concurrency,
+            startup_timeout_s=c.startup_timeout_s,
+            health_interval_s=c.health_interval_s,
+            health_timeout_s=c.health_timeout_s,
+            health_failures=c.health_failures,
+            restart_dead_servers=c.restart_dead_servers,
+            router_url=c.router_url,
+        )
         try:
-            self._start()
+            fleet.start(
+                launch=c.num_servers if self.owned else 0,
+                external_urls=c.external_urls,
+                attach_urls=c.server_urls,
+                use_router=c.use_router,
+                version=c.initial_version,
+            )
         except BaseException:
             self._finalizer()
             raise
+        info = fleet.server_info
         model_dir = self._model_dir()
         if self.routing_layout is None:
             self.routing_layout = RoutingLayout.from_model_dir(model_dir)
-        info = getattr(self, "_server_info", {})
         captures = bool(info.get("enable_return_routed_experts"))
         self.supports_routing = captures and self.routing_layout is not None  # type: ignore[misc]
         self.supports_lora: bool = bool(info.get("enable_lora"))
         """The servers serve LoRA adapters (launched with ``enable_lora``)."""
         self.supports_lora_adapters = self.supports_lora  # type: ignore[misc]
-        self._lora: dict[str, str] = {}
-        self._lora_alias: dict[str, str] = {}  # adapter name -> versioned name (adapter updates)
-        self._default_lora: str | None = None
         self.supports_memory_release = (  # type: ignore[misc]
             bool(info.get("enable_memory_saver")) and str(info.get("device")) != "cpu"
         )
@@ -405,120 +411,258 @@ class SGLangGenerator(
         eos = _eos_ids(model_dir) if c.stop_on_eos else ()
         self.default_stop_ids: tuple[int, ...] = tuple(sorted({*eos, *c.extra_stop_token_ids}))
         """Stop ids sent with every request (EOS and PAD, plus ``extra_stop_token_ids``)."""
+        self._weights = WeightUpdater(
+            io=self._io,
+            client=client,
+            fleet=fleet,
+            version=c.initial_version,
+            base_model=c.model_path or str(info.get("model_path")),
+        )
+        self._lora = LoRARegistry(
+            io=self._io,
+            client=client,
+            fleet=fleet,
+            weights=self._weights,
+            adapters_dir=self.log_dir / "adapters",
+            enabled=self.supports_lora,
+            max_rank=info.get("max_lora_rank") or c.max_lora_rank,
+            target_modules=info.get("lora_target_modules") or c.lora_target_modules,
+        )
+        self._requests = RequestDispatcher(
+            io=self._io,
+            client=client,
+            fleet=fleet,
+            weights=self._weights,
+            stats=self.stats,
+            seed=c.seed,
+            max_retries=c.max_retries,
+            retry_backoff_s=c.retry_backoff_s,
+            request_timeout_s=c.request_timeout_s,
+            stop_on_eos=c.stop_on_eos,
+            extra_stop_token_ids=c.extra_stop_token_ids,
+            default_stop_ids=self.default_stop_ids,
+            vocab_size=self.vocab_size,
+            routing_layout=self.routing_layout,
+            supports_routing=self.supports_routing,
+        )
+        fleet.set_hooks(rejoin=self._rejoin, busy=lambda: self._weights.updating)
         self._monitor: Any = None
         if c.health_interval_s > 0:
-            self._monitor = self._io.submit(self._health_loop())
-
-    # ------------------------------------------------------------------ start-up
-
-    def _launch(self, port: int, index: int) -> ManagedProcess:
-        proc = launch_server(
-            model_path=self.config.model_path,
-            python=self.python,
-            port=port,
-            server_args={**self.server_args, **typed_server_args(self.config, index)},
-            device=self.config.device,
-            log_dir=self.log_dir,
-            host=self.config.host,
-            name=f"sglang-{index}",
-            weight_version=self.config.initial_version,
-        )
-        self._procs.append(proc)
-        return proc
-
-    async def _launch_on_loop(self, port: int, index: int) -> ManagedProcess:
-        return self._launch(port, index)
-
-    def _start(self) -> None:
-        c = self.config
-        sem_total = c.max_concurrency
-        if self.owned:
-            ports = [free_port(c.host) for _ in range(c.num_servers)]
-            # Launched from the IO thread, which lives as long as the generator: the servers'
-            # parent-death signal is tied to the launching thread.
-            procs = [self._io.call(self._launch_on_loop(p, i)) for i, p in enumerate(ports)]
-            urls = [f"http://{c.host}:{p}" for p in ports]
-            for proc, url in zip(procs, urls):
-                wait_healthy(proc, url, timeout_s=c.startup_timeout_s)
-            # External engines registered next to the launched servers (never owned).
-            procs += [None] * len(c.external_urls)
-            urls += list(c.external_urls)
-            ports += [_port(u) for u in c.external_urls]
-        else:
-            procs = [None] * len(c.server_urls)
-            urls = list(c.server_urls)
-            ports = [_port(u) for u in urls]
-
-        async def make() -> None:
-            for i, (url, port, proc) in enumerate(zip(urls, ports, procs)):
-                s = _Server(i, url, port, proc, asyncio.Semaphore(sem_total))
-                info = await self._get_json(s, "/get_server_info", timeout=30)
-                s.tp_size = int(info.get("tp_size") or 1)
-                s.up = True
-                self._servers.append(s)
-                self._server_info = info
-            # Stamp the version the caller says the attached servers' weights are.
-            attached = [s for s in self._servers if s.proc is None]
-            await asyncio.gather(*(self._set_version(s, self._version) for s in attached))
-
-        self._io.call(make())
-        if c.use_router:
-            port = free_port(c.host)
-
-            async def start_router() -> ManagedProcess:
-                return launch_router(
-                    worker_urls=urls,
-                    python=self.python,
-                    port=port,
-                    log_dir=self.log_dir,
-                    host=c.host,
-                    policy=c.router_policy,
-                )
-
-            self._router = self._io.call(start_router())
-            self._procs.append(self._router)
-            self.router_url = f"http://{c.host}:{port}"
-            wait_healthy(self._router, self.router_url, timeout_s=120, path="/health")
-        if self.router_url is not None:
-
-            async def router_sem() -> None:
-                self._router_sem = asyncio.Semaphore(sem_total * len(self._servers))
-
-            self._io.call(router_sem())
+            self._monitor = self._io.submit(fleet.health_loop())
 
     def _model_dir(self) -> Path | None:
-        path = self.config.model_path or getattr(self, "_server_info", {}).get("model_path")
+        path = self.config.model_path or self._fleet.server_info.get("model_path")
         return Path(path) if path and Path(path).is_dir() else None
+
+    async def _rejoin(self, s: Any) -> None:
+        """Bring a recovered server to the current weights and adapters and put it back."""
+        async with self._weights.lock():
+            await self._weights.resync(s)
+            await self._lora.reload(s)
+            await self._fleet.readmit(s)
 
     # ------------------------------------------------------------------ properties
 
     @property
     def weight_version(self) -> int:
         """Version of the weights the servers serve."""
-        return self._version
+        return self._weights.version
 
     @property
     def server_urls(self) -> list[str]:
         """URLs of the servers (launched or attached), in index order."""
-        return [s.url for s in self._servers]
+        return [s.url for s in self._fleet.servers]
 
     @property
     def server_processes(self) -> list[ManagedProcess | None]:
         """The launcher process of each server (``None`` for attached ones)."""
-        return [s.proc for s in self._servers]
+        return [s.proc for s in self._fleet.servers]
+
+    @property
+    def router_url(self) -> str | None:
+        """URL ``/generate`` traffic goes to when a router is used."""
+        return self._fleet.router_url
 
     def servers_up(self) -> list[bool]:
         """Whether each server is in rotation."""
-        return [s.up for s in self._servers]
+        return [s.up for s in self._fleet.servers]
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        lora_adapter: str | Sequence[str | None] | None = None,
+    ) -> list[GenerationResult]:
+        """Serve ``requests`` (concurrently, bounded per server); results in request order.
+
+        ``lora_adapter``: the loaded LoRA adapter to run every request with, or one name (or
+        ``None`` for the base model) per request; ``None``: each request's own ``adapter``
+        (multi-LoRA), else ``default_lora_adapter``. An adapter name given by a weight update
+        resolves to its current version (``task`` -> ``task-v7``).
+        """
+        if self._fleet.closed:
+            raise GenerationError("SGLangGenerator.generate: the generator is closed.")
+        if not requests:
+            return []
+        adapters = self._lora.adapters_for(requests, lora_adapter)
+        return await self._requests.generate(requests, adapters)
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """Abort the given (or all) requests; they return ABORT with their partial tokens.
+
+        Requests still waiting for a slot return ABORT with no tokens. Unknown ids are ignored.
+        Aborting all also covers requests of :meth:`generate` calls already made but not yet
+        dispatched.
+        """
+        await self._requests.abort(request_ids)
+
+    async def pause(self, mode: str | None = None) -> None:
+        """Hold new requests on every server until :meth:`resume`.
+
+        ``mode`` (default ``Config.pause_mode``): ``abort`` ends in-flight requests (ABORT with
+        partial tokens), ``retract`` puts them back in the queue, ``in_place`` freezes them with
+        their KV cache. New requests wait server-side either way.
+        """
+        await self._fleet.pause(mode or self.config.pause_mode)
+
+    async def resume(self) -> None:
+        """Continue generation on every server."""
+        await self._fleet.resume()
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in effect, or ``None``."""
+        return self._fleet.paused
+
+    async def health(self) -> bool:
+        """True when at least one server is in rotation and answers ``/health_generate``."""
+        return await self._fleet.health()
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
+        """Load ``update`` through ``transport`` on every server; on failure keep the old ones.
+
+        An adapter-only update (:func:`rl_core.lora.adapter_of`) is loaded as a LoRA adapter
+        (:mod:`rl_sglang._lora`; the servers must run with ``enable_lora``, else
+        :class:`~rl_core.errors.ConfigError`). A collective transport (:class:`~rl_sglang.collective.SGLangCollectiveTransport`)
+        broadcasts into the servers; disk transports hand the verified checkpoint directory to
+        ``/update_weights_from_disk``; any other transport's tensors are pushed with
+        ``/update_weights_from_tensor``.
+        """
+        from rl_sglang.collective import SGLangCollectiveTransport
+
+        if self._fleet.closed:
+            raise GenerationError("SGLangGenerator.update_weights: the generator is closed.")
+        if adapter_of(update) is not None:
+            if isinstance(transport, SGLangCollectiveTransport):
+                raise WeightSyncError(
+                    "SGLangGenerator.update_weights: adapter-only updates do not go through "
+                    "sglang_collective (it writes model weights into the servers); send them "
+                    "with disk_full, disk_delta, broadcast or inprocess."
+                )
+            await self._lora.update(update, transport)
+            return
+        if isinstance(transport, SGLangCollectiveTransport):
+            await self._io.run(self._weights.distributed_update(update, transport))
+            return
+        await asyncio.to_thread(transport.apply, update, self)
+
+    def load_weights_from_disk(self, path: str, *, version: int) -> None:
+        """Point every server at the Hugging Face checkpoint ``path`` and set ``version``.
+
+        Called by disk transports after they verified the checkpoint (``DiskWeightTarget``).
+
+        Raises:
+            WeightSyncError: the checkpoint holds transformers' fused MoE expert tensors, which
+                SGLang's loaders skip with a warning (the experts would stay stale).
+        """
+        self._weights.load_from_disk(path, version)
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Push Hugging Face-named tensors to every server and set ``version``. transformers'
+        fused MoE expert tensors are sent as one tensor per expert, the names SGLang loads
+        (:mod:`rl_core.moe_weights`; SGLang skips fused names with a warning)."""
+        self._weights.load_tensors(named_tensors, version)
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free GPU memory on every server for a colocated trainer: ``tags`` among
+        :data:`~rl_sglang._weights.MEMORY_TAGS` (``None``: all of them). New requests wait until
+        :meth:`resume_memory`.
+
+        Needs servers on CUDA launched with ``enable_memory_saver`` (``supports_memory_release``);
+        refused otherwise (on CPU SGLang's handler calls ``torch.cuda.synchronize`` and the
+        server dies)."""
+        await self._memory("/release_memory_occupation", memory_tags(tags))
+
+    async def resume_memory(
+        self, tags: Sequence[str] | None = None, *, reload_weights: bool = True
+    ) -> None:
+        """Undo :meth:`release_memory` for ``tags`` (``None``: all). When ``weights`` come back
+        and ``reload_weights`` is true, every server reloads the current weights and version
+        (the last update's source, or the checkpoint it was launched with): released weight
+        memory comes back uninitialised. Pass ``reload_weights=False`` when an update follows
+        at once (the colocated loop pushes new weights right after)."""
+        want = memory_tags(tags)
+        await self._memory("/resume_memory_occupation", want)
+        if reload_weights and (want is None or "weights" in want):
+            await self._weights.reload()
+
+    async def _memory(self, path: str, tags: list[str] | None) -> None:
+        if not self.supports_memory_release:
+            raise GenerationError(
+                f"SGLangGenerator{path}: the servers cannot release memory (they need "
+                "device='cuda' and SGLangGenerator.Config.enable_memory_saver=true; on CPU the "
+                "call kills the server). Check generator.supports_memory_release first."
+            )
+        await self._weights.memory(path, tags)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> path (as loaded by this generator; adapter updates appear
+        under their versioned names, e.g. ``task-v7``)."""
+        return self._lora.adapters
+
+    @property
+    def lora_versions(self) -> dict[str, str]:
+        """Adapters loaded by adapter-only weight updates: adapter name -> the versioned name it
+        serves under now (requests may use either)."""
+        return self._lora.versions
+
+    @property
+    def default_lora_adapter(self) -> str | None:
+        """Adapter of requests that name none (``None``: the base model)."""
+        return self._lora.default
+
+    @default_lora_adapter.setter
+    def default_lora_adapter(self, name: str | None) -> None:
+        self._lora.default = name
+
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
+        """Load the peft-format adapter at ``path`` under ``name`` on every server; a name that
+        is already loaded is replaced (unloaded, then loaded: the way to publish new adapter
+        weights). ``pinned`` keeps it from being evicted when more adapters are loaded than
+        ``max_loaded_loras``."""
+        await self._lora.load(name, path, pinned=pinned)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` from every server; requests naming it are refused after."""
+        await self._lora.unload(name)
 
     # ------------------------------------------------------------------ shutdown
 
     async def close(self) -> None:
         """Stop the monitor, the router and launched servers; attached servers are left running
         (resumed if this generator paused them)."""
-        if self._closed:
+        if self._fleet.closed:
             return
-        if self._paused and any(s.proc is None for s in self._servers):
+        if self.paused and any(s.proc is None for s in self._fleet.servers):
             try:
                 await self.resume()
             except Exception as e:  # closing goes on; the servers stay paused, say so
@@ -529,11 +673,11 @@ class SGLangGenerator(
                     type(e).__name__,
                     e,
                 )
-        self._closed = True
+        self._fleet.closed = True
         await asyncio.to_thread(self._finalizer)
 
     def __repr__(self) -> str:
-        return f"SGLangGenerator(servers={self.server_urls}, version={self._version})"
+        return f"SGLangGenerator(servers={self.server_urls}, version={self.weight_version})"
 
 
 def _cleanup(procs: list[ManagedProcess], io: IOLoop) -> None:
@@ -541,11 +685,6 @@ def _cleanup(procs: list[ManagedProcess], io: IOLoop) -> None:
     for p in list(procs):
         p.stop()
     io.close()
-
-
-def _port(url: str) -> int:
-    """The port of a server URL (``http://host:port``)."""
-    return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
 def _read_json(path: Path) -> dict[str, Any]:
