@@ -68,7 +68,7 @@ def from_previous(base, tmp_path_factory, tiny_recipe_dict):
     shutil.copytree(base, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / NEWEST)
     trainer = _trainer(tiny_recipe_dict, run_dir)
-    assert trainer._resume_from == run_dir / "checkpoints" / PREVIOUS
+    assert trainer.run_state.resume.checkpoint == run_dir / "checkpoints" / PREVIOUS
     return _strip(trainer.run()), _final_weights(run_dir)
 
 
@@ -152,7 +152,7 @@ def test_fallback_resumes_the_previous_checkpoint_exactly(
         trainer = _trainer(tiny_recipe_dict, run_copy)
     message = "\n".join(str(w.message) for w in caught)
     assert str(damaged) in message and f"Resuming from {ckpts / PREVIOUS}" in message
-    assert trainer._resume_from == ckpts / PREVIOUS
+    assert trainer.run_state.resume.checkpoint == ckpts / PREVIOUS
     # the damaged checkpoint is set aside (kept, never picked up again)
     assert (ckpts / f"damaged-{NEWEST}").is_dir()
     records = _strip(trainer.run())
@@ -182,7 +182,7 @@ def test_intact_checkpoints_resume_the_newest(run_copy, tiny_recipe_dict):
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         trainer = _trainer(tiny_recipe_dict, run_copy, on_damaged="refuse")
-    assert trainer._resume_from == run_copy / "checkpoints" / NEWEST
+    assert trainer.run_state.resume.checkpoint == run_copy / "checkpoints" / NEWEST
 
 
 def test_every_checkpoint_damaged_is_an_error(run_copy, tiny_recipe_dict):
@@ -201,7 +201,7 @@ def test_checkpoint_without_manifest_resumes_with_a_warning(run_copy, tiny_recip
     (ckpt / "COMPLETE").write_text(f"{NEWEST}\n")  # what the writer wrote before manifests
     with pytest.warns(CheckpointWarning, match="resuming from it unverified"):
         trainer = _trainer(tiny_recipe_dict, run_copy)
-    assert trainer._resume_from == ckpt
+    assert trainer.run_state.resume.checkpoint == ckpt
     # a deleted manifest is damage when the marker records one
     (ckpt / "COMPLETE").write_text(f"{NEWEST}\nMANIFEST.json xxh3_128={'0' * 32}\n")
     with pytest.raises(CheckpointError, match="MANIFEST.json: missing"):
@@ -303,7 +303,7 @@ def _resume_damaged(run_dir, make, rel, kind, where, bit, mode) -> None:
         with pytest.warns(CheckpointWarning) as caught:
             trainer = _trainer(make, run_dir)
         assert any(damaged in str(w.message) for w in caught)
-        assert trainer._resume_from == ckpts / PREVIOUS
+        assert trainer.run_state.resume.checkpoint == ckpts / PREVIOUS
 
 
 def test_cli_refusal_names_the_file_and_the_fix(run_copy, tiny_recipe_dict, tmp_path, capsys):

@@ -52,8 +52,8 @@ def test_opd_advantage_is_the_reverse_kl_and_the_kl_falls(
     seen = []
     original = teacher_mod.distill
 
-    def spy(run, batch):
-        out = original(run, batch)
+    def spy(cfg, teacher, policy, batch):
+        out = original(cfg, teacher, policy, batch)
         seen.append(dataclasses.replace(batch))
         return out
 
@@ -92,9 +92,9 @@ def test_opd_mixes_the_task_advantage_by_weight(
     seen = []
     original = teacher_mod.distill
 
-    def spy(run, batch):
+    def spy(cfg, teacher, policy, batch):
         task = batch.advantages.clone()
-        out = original(run, batch)
+        out = original(cfg, teacher, policy, batch)
         seen.append(
             (task, batch.advantages.clone(), batch.old_logprobs.clone(), batch.loss_mask, batch)
         )

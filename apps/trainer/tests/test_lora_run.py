@@ -51,7 +51,7 @@ def lora_run(tmp_path_factory, tiny_recipe_dict, monkeypatch_module):
     def spy(run, version, weights):
         update = publish_only(run, version, weights)
         seen["updates"].append(update)
-        seen["references"].append(run.reference)
+        seen["references"].append(run.models.reference)
         return update
 
     monkeypatch_module.setattr(stages, "publish_only", spy)

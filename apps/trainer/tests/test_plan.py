@@ -1,11 +1,11 @@
-"""The trainer's micro-batch plan (``rl_trainer.stages.plan``): a policy that computes a shared
+"""The trainer's micro-batch plan (``rl_trainer.packing.plan``): a policy that computes a shared
 prompt once gets each GRPO group's samples in one micro-batch where the cap allows."""
 
 from __future__ import annotations
 
 from rl_core.testing.buffer import make_group
 from rl_core.types import ModelShape
-from rl_trainer import stages
+from rl_trainer import packing
 
 SHAPE = ModelShape(
     num_layers=2,
@@ -39,11 +39,11 @@ def test_a_prefix_sharing_policy_gets_each_group_in_one_micro_batch():
     groups = [make_group(f"p{g}", n=4, response_length=5 + g) for g in range(6)]
     rollouts = [r for g in groups for r in g.rollouts]
     cap = 64
-    order, bounds, _ = stages.plan(rollouts, _Policy(shares=True), cap)
+    order, bounds, _ = packing.plan(rollouts, _Policy(shares=True), cap)
     assert sorted(order) == list(range(len(rollouts)))
     assert set(_spread(rollouts, order, bounds).values()) == {1}
     for m in range(len(bounds) - 1):
         assert sum(len(rollouts[i].tokens) for i in order[bounds[m] : bounds[m + 1]]) <= cap
     # token balance alone spreads groups over micro-batches (and shares less)
-    order, bounds, _ = stages.plan(rollouts, _Policy(shares=False), cap)
+    order, bounds, _ = packing.plan(rollouts, _Policy(shares=False), cap)
     assert max(_spread(rollouts, order, bounds).values()) > 1

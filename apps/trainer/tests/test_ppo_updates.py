@@ -61,9 +61,9 @@ def test_one_epoch_one_mini_batch_is_the_single_step_path(tmp_path, tiny_recipe_
     new_dir, old_dir = tmp_path / "new", tmp_path / "old"
     new = Trainer(load_trainer_config(_recipe(tiny_recipe_dict, new_dir, **critic))).run()
 
-    def single_step(run, batch, groups):
-        m = run.policy.train_step(batch, run.parts.loss_fn)
-        cm = run.critic.train_step(batch, run.parts.value_loss_fn)
+    def single_step(cfg, models, parts, batch, groups):
+        m = models.policy.train_step(batch, parts.loss_fn)
+        cm = models.critic.train_step(batch, parts.value_loss_fn)
         return m, cm, 1
 
     monkeypatch.setattr(ppo_updates, "optimize", single_step)

@@ -90,7 +90,7 @@ def test_more_steps_proceed(copy, tiny_recipe_dict, caplog):
     trainer = _resume(tiny_recipe_dict, run_dir, data, steps=2)
     assert "rl.steps changed: 1 -> 2" in caplog.text
     trainer.run()
-    assert trainer.state["rl_step"] == 2
+    assert trainer.counters.rl_step == 2
 
 
 def test_data_edited_with_the_same_row_count_refuses(copy, tiny_recipe_dict):

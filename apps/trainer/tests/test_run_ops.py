@@ -223,7 +223,7 @@ def test_wandb_sink_without_the_package_names_the_fix(monkeypatch, tmp_path, tin
     import sys
 
     from rl_trainer.config import load_trainer_config
-    from rl_trainer.metrics import build_sinks
+    from rl_trainer.sinks import build_sinks
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = load_trainer_config(

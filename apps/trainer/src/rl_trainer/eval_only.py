@@ -103,8 +103,9 @@ def run_eval(
     ``checkpoint``, ``step``, ``wall_time_s`` and ``metrics`` (``eval/...``)."""
     from rl_trainer.assembly import build_generator
     from rl_trainer.loop import Trainer
-    from rl_trainer.metrics import MetricsLogger, build_sinks
+    from rl_trainer.metrics import MetricsLogger
     from rl_trainer.phases import eval as evaluation
+    from rl_trainer.sinks import build_sinks
 
     cfg, model_dir, step = eval_config(checkpoint, recipe, overrides)
     trainer = Trainer(cfg, own_dir=False)  # eval/<name>/ is re-evaluated in place
@@ -117,28 +118,30 @@ def run_eval(
     # The checkpoint's step counted as its name counts it: SFT and RL steps together.
     global_step = cfg.sft.steps + step if step is not None else 0
 
+    run = trainer.run_state
+
     async def main() -> dict[str, Any]:
         metrics = MetricsLogger(
-            trainer.run_dir,
+            run.run_dir,
             tensorboard=cfg.logging.tensorboard,
             progress=False,
             phase_steps={},
             resume_lines=None,
             sinks=build_sinks(cfg),
         )
-        trainer._metrics = metrics
-        t0 = trainer._t_start = time.perf_counter()
-        trainer.policy = _Version(0)
+        run.start_records(metrics)
+        t0 = run.t_start
+        run.models.policy = _Version(0)  # type: ignore[assignment]
         try:
-            trainer.generator = await build_generator(cfg, trainer.runtime, str(model_dir))
-            result = await evaluation.evaluate(trainer, 0, every_set=True)
-            trainer.emit({"step": step or 0, "phase": "eval", "global_step": global_step, **result})
+            run.models.generator = await build_generator(cfg, run.runtime, str(model_dir))
+            result = await evaluation.evaluate(run, 0, every_set=True)
+            run.emit({"step": step or 0, "phase": "eval", "global_step": global_step, **result})
         finally:
             metrics.close()
-            if trainer.generator is not None:
-                await trainer.generator.close()
-            if trainer.runtime is not None:
-                trainer.runtime.shutdown()
+            if run.models.generator is not None:
+                await run.models.generator.close()
+            if run.runtime is not None:
+                run.runtime.shutdown()
         return {
             "checkpoint": str(Path(checkpoint)),
             "step": step,

@@ -34,7 +34,8 @@ from rl_core.lora import SEQUENCE_ADAPTER_KEY, adapter_of, with_adapter
 from rl_core.types import Group, LogProbOutput, Prompt, TrainBatch
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.evaluation import EvalSet
+    from rl_trainer.run_state import WeightSync
 
 __all__ = [
     "ADAPTER_DIR",
@@ -115,24 +116,25 @@ def use_adapter_sync(mode: str, policy: Any, generator: Any, *, ray: bool = Fals
     return True
 
 
-def policy_weights(run: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
-    """What the run publishes of the live policy: its adapter under adapter sync, else the
-    (merged, for LoRA) full weights."""
-    if run.adapter_sync:
-        return run.policy.named_adapter_weights()
-    return run.policy.named_weights()
+def policy_weights(policy: Any, adapter_sync: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    """What the run publishes of the live ``policy``: its adapter under ``adapter_sync``, else
+    the (merged, for LoRA) full weights."""
+    if adapter_sync:
+        return policy.named_adapter_weights()
+    return policy.named_weights()
 
 
-def weights_copy(run: Trainer) -> list[tuple[str, torch.Tensor]]:
+def weights_copy(policy: Any, adapter_sync: bool) -> list[tuple[str, torch.Tensor]]:
     """A CPU copy of :func:`policy_weights` (kept for a later publication)."""
-    return [(n, t.detach().to("cpu", copy=True)) for n, t in policy_weights(run)]
+    return [(n, t.detach().to("cpu", copy=True)) for n, t in policy_weights(policy, adapter_sync)]
 
 
-def mark_update(run: Trainer, update: Any) -> Any:  # a WeightUpdate
-    """``update`` marked as an adapter update under adapter sync (unchanged otherwise)."""
-    if not run.adapter_sync:
+def mark_update(sync: WeightSync, policy: Any, update: Any) -> Any:  # a WeightUpdate
+    """``update`` marked as an adapter update of ``policy`` on ``sync.base_path`` under adapter
+    sync (unchanged otherwise)."""
+    if not sync.adapter_sync:
         return update
-    return with_adapter(update, run.policy.lora, run.rl_start_path())
+    return with_adapter(update, policy.lora, sync.base_path)
 
 
 def save_final(policy: Any, directory: Path) -> None:
@@ -182,18 +184,21 @@ def check_multi(key: str | None, policy: Any, adapter_sync: bool) -> None:
         )
 
 
-def served(run: Trainer, update: Any) -> None:
+def served(
+    sync: WeightSync, policy: Any, eval_sets: Iterable[EvalSet], key: str | None, update: Any
+) -> None:
     """After the generator loaded ``update``: a multi-LoRA run's requests name their adapters
     from now on (eval prompts too). Until the first adapter update the generator serves the
     base, which is exactly what fresh adapters (``B = 0``) compute, so the first round asks for
-    no adapter; a resumed run syncs before its first round."""
-    if run.adapters_served or not run.adapter_sync or not multi(run.policy):
+    no adapter; a resumed run syncs before its first round. ``key``: ``rollout.adapter_key``;
+    sets ``sync.adapters_served``."""
+    if sync.adapters_served or not sync.adapter_sync or not multi(policy):
         return
     if adapter_of(update) is None:
         return
-    for eval_set in run.parts.eval_sets:
-        tag_prompts(run.config.rollout.adapter_key, run.policy.lora, eval_set.prompts)
-    run.adapters_served = True
+    for eval_set in eval_sets:
+        tag_prompts(key, policy.lora, eval_set.prompts)
+    sync.adapters_served = True
 
 
 def tag_prompts(key: str | None, lora: Any, prompts: Iterable[Prompt]) -> None:

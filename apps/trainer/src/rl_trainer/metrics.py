@@ -26,7 +26,6 @@ __all__ = [
     "PROGRESS_REFRESH_PER_S",
     "MetricsLogger",
     "MetricsSink",
-    "build_sinks",
     "count_steps",
     "read_metrics",
     "samples_markdown",
@@ -53,17 +52,6 @@ class MetricsSink(Protocol):
 
     def close(self) -> None:
         """Flush and finish."""
-
-
-def build_sinks(config: Any) -> list[MetricsSink]:
-    """The extra sinks a :class:`~rl_trainer.config.TrainerConfig` asks for
-    (``logging.wandb``)."""
-    sinks: list[MetricsSink] = []
-    if config.logging.wandb is not None:
-        from rl_trainer.wandb_sink import WandbSink
-
-        sinks.append(WandbSink(config.logging.wandb, config=config))
-    return sinks
 
 
 def samples_markdown(lines: Sequence[Mapping[str, Any]]) -> str:

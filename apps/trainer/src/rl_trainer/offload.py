@@ -28,65 +28,40 @@ On the ``local`` runtime the colocated layout is the one process and its one dev
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
-import torch
+from rl_trainer.memory import memory_sample
+from rl_trainer.run_state import DeviceHandover, PhaseModels
 
-if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
-
-__all__ = ["PHASES", "Handover", "memory_sample", "onloaded", "process_rss_bytes"]
+__all__ = ["PHASES", "Handover", "onloaded"]
 
 PHASES = ("generate", "release", "onload", "train", "publish", "offload", "resume", "load")
 """The phases of a colocated step, in order (each gets a ``memory/<phase>_bytes`` metric)."""
 
 
-def process_rss_bytes() -> int:
-    """This process's resident set size in bytes (``/proc/self/statm``; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def memory_sample(models: list[Any]) -> dict[str, int]:
-    """``bytes`` (CUDA allocated when the models are on CUDA, else their resident tensor
-    bytes) and ``rss_bytes`` of this process; ``models`` offer ``resident_storages()``."""
-    on_cuda = any(getattr(m, "device", torch.device("cpu")).type == "cuda" for m in models)
-    if on_cuda or (not models and torch.cuda.is_available()):
-        allocated = int(torch.cuda.memory_allocated())
-    else:
-        allocated = sum(s.nbytes for m in models for s in m.resident_storages())
-    return {"bytes": allocated, "rss_bytes": process_rss_bytes()}
-
-
 class Handover:
-    """Sequences the colocated step's phases (module docstring) for one run."""
+    """Sequences the colocated step's phases (module docstring) for one run: it moves the
+    phase's ``models`` on and off the device and has the generator (or, on the ``ray``
+    runtime, ``runtime.colocation``) release and resume its memory."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        """Enabled by ``runtime.offload_policy`` (validated at load: colocated, synchronous)."""
-        self.trainer = trainer
-        self.enabled = bool(trainer.config.runtime.offload_policy)
+    def __init__(self, models: PhaseModels, runtime: Any, *, enabled: bool) -> None:
+        """``enabled``: ``runtime.offload_policy`` (validated at load: colocated, synchronous);
+        ``runtime``: the ``ray`` runtime, else ``None``."""
+        self._models = models
+        self._runtime = runtime
+        self.enabled = enabled
         """Whether the step runs the hand-over."""
 
     def models(self) -> list[Any]:
-        """The offloadable models of the run: policy, critic, reference and a teacher that
-        lives in this process's memory (an SGLang teacher is a server: not moved)."""
-        t = self.trainer
-        teacher = getattr(t, "teacher", None)
-        teacher = teacher if hasattr(teacher, "offload") else None
-        models = (t.policy, t.critic, t.reference, teacher)
-        # A LoRA run's reference is the policy's base view (rl_trainer.lora): no own memory.
-        return [m for m in models if m is not None and not getattr(m, "shares_policy", False)]
+        """The offloadable models of the run (:meth:`PhaseModels.offloadable`)."""
+        return self._models.offloadable()
 
     def measure(self, phase: str, record: dict[str, Any]) -> None:
         """Add ``memory/<phase>_bytes`` and ``memory/<phase>_rss_bytes`` to ``record``."""
-        if self.trainer.runtime is not None:
-            sample = self.trainer.policy.memory_sample()
+        if self._runtime is not None:
+            sample = self._models.policy.memory_sample()  # type: ignore[union-attr]
         else:
             sample = memory_sample(self.models())
         record[f"memory/{phase}_bytes"] = sample["bytes"]
@@ -108,18 +83,18 @@ class Handover:
             self.offload_models()
 
     async def _release(self) -> None:
-        rt, gen = self.trainer.runtime, self.trainer.generator
+        rt, gen = self._runtime, self._models.generator
         if rt is not None:
             await rt.colocation.release()
         elif getattr(gen, "supports_memory_release", False):
-            await gen.release_memory()
+            await gen.release_memory()  # type: ignore[union-attr]
 
     async def _resume(self) -> None:
-        rt, gen = self.trainer.runtime, self.trainer.generator
+        rt, gen = self._runtime, self._models.generator
         if rt is not None:
             await rt.colocation.before_generate()
         elif getattr(gen, "supports_memory_release", False):
-            await gen.resume_memory()
+            await gen.resume_memory()  # type: ignore[union-attr]
 
     async def before_train(self, record: dict[str, Any]) -> None:
         """After the round: release the generator's memory and bring the models back."""
@@ -129,31 +104,33 @@ class Handover:
         self.onload_models()
         self.measure("onload", record)
 
-    async def publish(self, record: dict[str, Any]) -> float:
-        """After training: publish the weights, offload the models, give the generator its
-        memory back and load the published weights; returns the seconds it took."""
-        from rl_trainer import lora, stages
-
-        run = self.trainer
+    async def publish(
+        self,
+        record: dict[str, Any],
+        publish: Callable[[], Any],
+        load: Callable[[Any], Awaitable[None]],
+    ) -> float:
+        """After training: ``publish()`` the weights (it returns the update), offload the
+        models, give the generator its memory back and ``load(update)``; returns the seconds
+        it took (:func:`rl_trainer.stages.publish_only` and :func:`~rl_trainer.stages.load_update`
+        are what the RL phase passes)."""
         self.measure("train", record)
         t0 = time.perf_counter()
-        version = run.policy.version
-        update = stages.publish_only(run, version, lora.policy_weights(run))
+        update = publish()
         self.measure("publish", record)
         self.offload_models()
         self.measure("offload", record)
         await self._resume()
         self.measure("resume", record)
-        await stages.load_update(run, version, update)
+        await load(update)
         self.measure("load", record)
         return time.perf_counter() - t0
 
 
 @contextlib.contextmanager
-def onloaded(trainer: Trainer) -> Iterator[None]:
+def onloaded(handover: DeviceHandover | None, *, offload_after: bool) -> Iterator[None]:
     """The models on the device for the block (a checkpoint), offloaded again after it when
-    the colocated hand-over holds them offloaded."""
-    handover = getattr(trainer, "handover", None)
+    the colocated hand-over holds them offloaded and ``offload_after`` (steps remain)."""
     if handover is None or not handover.enabled:
         yield
         return
@@ -161,5 +138,5 @@ def onloaded(trainer: Trainer) -> Iterator[None]:
     try:
         yield
     finally:
-        if trainer.state["rl_step"] < trainer.config.rl.steps:
+        if offload_after:
             handover.offload_models()

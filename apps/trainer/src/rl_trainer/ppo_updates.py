@@ -38,9 +38,12 @@ import torch
 
 from rl_core.errors import RLError
 from rl_core.types import Group, Rollout, TrainBatch
+from rl_trainer.packing import loss_weights, plan
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.assembly import Components
+    from rl_trainer.config import TrainerConfig
+    from rl_trainer.run_state import PhaseModels
 
 __all__ = ["mini_batches", "optimize", "take_sequences"]
 
@@ -83,12 +86,12 @@ def take_sequences(
     return dataclasses.replace(batch, **changes)
 
 
-def mini_batches(run: Trainer, batch: TrainBatch, groups: Sequence[Group]) -> list[TrainBatch]:
+def mini_batches(
+    cfg: TrainerConfig, policy: Any, batch: TrainBatch, groups: Sequence[Group]
+) -> list[TrainBatch]:
     """``batch`` split into ``rl.mini_batches_per_step`` mini-batches of whole groups (module
-    docstring), each re-planned and with its own loss weights; ``[batch]`` for one."""
-    from rl_trainer.stages import loss_weights, plan  # stages imports this module
-
-    cfg = run.config
+    docstring), each re-planned for ``policy`` and with its own loss weights; ``[batch]`` for
+    one."""
     n = cfg.rl.mini_batches_per_step
     if n == 1:
         return [batch]
@@ -109,7 +112,7 @@ def mini_batches(run: Trainer, batch: TrainBatch, groups: Sequence[Group]) -> li
     out = []
     for j in range(n):
         rollouts: list[Rollout] = [r for g in groups[j * per : (j + 1) * per] for r in g.rollouts]
-        order, bounds, dp_bounds = plan(rollouts, run.policy, cfg.rl.max_tokens_per_micro_batch)
+        order, bounds, dp_bounds = plan(rollouts, policy, cfg.rl.max_tokens_per_micro_batch)
         rollouts = [rollouts[i] for i in order]
         mb = take_sequences(
             batch,
@@ -169,19 +172,26 @@ def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
 
 
 def optimize(
-    run: Trainer, batch: TrainBatch, groups: Sequence[Group]
+    cfg: TrainerConfig,
+    models: PhaseModels,
+    parts: Components,
+    batch: TrainBatch,
+    groups: Sequence[Group],
 ) -> tuple[dict[str, float], dict[str, float] | None, int]:
-    """Run the step's updates (module docstring) on ``batch``, built from ``groups`` by
-    ``rl_batch``; returns the policy's and the critic's (``None`` without one) metrics, each
-    the mean over the updates, and the number of optimizer steps taken."""
-    minis = mini_batches(run, batch, groups)
+    """Run the step's updates (module docstring) of ``models.policy`` (and ``models.critic``)
+    with ``parts``' losses on ``batch``, built from ``groups`` by ``rl_batch``; returns the
+    policy's and the critic's (``None`` without one) metrics, each the mean over the updates,
+    and the number of optimizer steps taken."""
+    policy, critic_model = models.policy, models.critic
+    assert policy is not None
+    minis = mini_batches(cfg, policy, batch, groups)
     policy_records: list[dict[str, float]] = []
     critic_records: list[dict[str, float]] = []
-    for _epoch in range(run.config.rl.ppo_epochs):
+    for _epoch in range(cfg.rl.ppo_epochs):
         for mb in minis:
-            record = run.policy.train_step(mb, run.parts.loss_fn)
-            policy_records.append(per_token_means(record, mb, run.config.algorithm.aggregation))
-            if run.critic is not None:
-                critic_records.append(run.critic.train_step(mb, run.parts.value_loss_fn))
+            record = policy.train_step(mb, parts.loss_fn)
+            policy_records.append(per_token_means(record, mb, cfg.algorithm.aggregation))
+            if critic_model is not None:
+                critic_records.append(critic_model.train_step(mb, parts.value_loss_fn))
     critic = _mean_metrics(critic_records) if critic_records else None
     return _mean_metrics(policy_records), critic, len(policy_records)

@@ -29,6 +29,7 @@ from rl_core.interfaces import Generator, WeightTransport
 from rl_core.types import GenerationRequest, GenerationResult, WeightUpdate
 from rl_trainer import dumps
 from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.run_state import RunState
 from rl_trainer.trust import check_same_code, code_refs, refuse_stored_code
 
 __all__ = [
@@ -77,7 +78,7 @@ class ReplaySource:
         dumps.read_manifest(self.dump_dir)
         self.steps = dumps.dumped_steps(self.dump_dir)
 
-    def produce_round(self, run: Any, step: int) -> dict[str, Any]:
+    def produce_round(self, run: RunState, step: int) -> dict[str, Any]:
         """Put step ``step``'s dumped groups into the run's buffer; returns the round metrics
         the original round logged (with ``perf/gen_time`` 0: nothing was generated)."""
         if step not in self.steps:
@@ -151,7 +152,7 @@ def run_replay(
         )
     trainer = Trainer(cfg)
     trainer.parts.eval_sets = []  # nothing can be sampled
-    trainer.replay = source
+    trainer.run_state.replay = source
     return trainer, trainer.run()
 
 
@@ -167,8 +168,9 @@ def run_rollout_only(recipe: str | Path, overrides: Sequence[str]) -> list[dict[
     docstring); returns the records (also in ``<run_dir>/metrics.jsonl``)."""
     from rl_trainer.assembly import build_generator
     from rl_trainer.loop import Trainer
-    from rl_trainer.metrics import MetricsLogger, build_sinks
+    from rl_trainer.metrics import MetricsLogger
     from rl_trainer.samples import after_take
+    from rl_trainer.sinks import build_sinks
     from rl_trainer.stages import produce_round, take_groups
 
     cfg = load_trainer_config(recipe, list(overrides))
@@ -180,44 +182,45 @@ def run_rollout_only(recipe: str | Path, overrides: Sequence[str]) -> list[dict[
     cfg.rl.async_generation = False
     cfg.rl.partial_rollouts = False
     trainer = Trainer(cfg)
+    run = trainer.run_state
 
     async def main() -> list[dict[str, Any]]:
         metrics = MetricsLogger(
-            trainer.run_dir,
+            run.run_dir,
             tensorboard=cfg.logging.tensorboard,
             progress=cfg.logging.progress,
             phase_steps={"rollout": cfg.rl.steps},
             resume_lines=None,
             sinks=build_sinks(cfg),
         )
-        trainer._metrics = metrics
-        trainer._t_start = time.perf_counter()
+        run.start_records(metrics)
         records: list[dict[str, Any]] = []
-        trainer.policy = _FixedVersion()
+        run.models.policy = _FixedVersion()  # type: ignore[assignment]
         try:
-            trainer.generator = await build_generator(cfg, trainer.runtime, trainer.rl_start_path())
+            run.models.generator = await build_generator(cfg, run.runtime, run.rl_start_path())
             for step in range(1, cfg.rl.steps + 1):
-                trainer.first_version = 1 - step  # train_version(step) == 0: weights never change
+                # train_version(step) == 0: the weights never change
+                run.counters.first_version = 1 - step
                 t0 = time.perf_counter()
-                rec = await produce_round(trainer, step)
+                rec = await produce_round(run, step)
                 groups, staleness = take_groups(
-                    trainer.parts.buffer,
+                    run.parts.buffer,
                     n=cfg.rollout.prompts_per_step,
                     version=0,
                     max_staleness=cfg.rl.max_staleness,
                 )
-                trainer.state["rl_step"] = step
-                after_take(trainer, step, groups, rec, staleness)
+                run.counters.rl_step = step
+                after_take(run, step, groups, rec, staleness)
                 record = {"step": step, "phase": "rollout", **rec, **staleness}
                 record["perf/step_time"] = time.perf_counter() - t0
-                trainer.emit(record)
+                run.emit(record)
                 records.append(record)
         finally:
             metrics.close()
-            if trainer.generator is not None:
-                await trainer.generator.close()
-            if trainer.runtime is not None:
-                trainer.runtime.shutdown()
+            if run.models.generator is not None:
+                await run.models.generator.close()
+            if run.runtime is not None:
+                run.runtime.shutdown()
             trainer.release_run_dir()
         return records
 

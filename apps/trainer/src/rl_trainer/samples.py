@@ -34,24 +34,26 @@ from rl_core.config import to_dict
 from rl_core.errors import DataError
 from rl_core.types import Group
 from rl_trainer import dumps
+from rl_trainer.stages import advantages as step_advantages
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.run_state import RunState
 
 __all__ = ["after_take", "group_advantages", "read_samples", "trace_groups"]
 
 
-def group_advantages(run: Trainer, groups: Sequence[Group]) -> list[list[list[float] | None]]:
-    """Per-rollout advantages ``[R]`` of ``groups`` from the run's estimator (the values the
-    step trains on: estimators are per group or per batch, not per order); ``None`` for each
-    rollout when the run has a critic (GAE needs its values)."""
-    if run.config.critic is not None:
+def group_advantages(
+    advantage_fn: Any, groups: Sequence[Group], *, critic: bool = False
+) -> list[list[list[float] | None]]:
+    """Per-rollout advantages ``[R]`` of ``groups`` from the run's estimator ``advantage_fn``
+    (the values the step trains on: estimators are per group or per batch, not per order);
+    ``None`` for each rollout when the run has a ``critic`` (GAE needs its values)."""
+    if critic:
         return [[None for _ in g.rollouts] for g in groups]
-    from rl_trainer.stages import advantages
 
     rollouts = [r for g in groups for r in g.rollouts]
     index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
-    adv, _ = advantages(run.parts.advantage_fn, rollouts, index, None)
+    adv, _ = step_advantages(advantage_fn, rollouts, index, None)
     out: list[list[list[float] | None]] = []
     k = 0
     for g in groups:
@@ -129,7 +131,7 @@ def trace_groups(
 
 
 def after_take(
-    run: Trainer,
+    run: RunState,
     step: int,
     groups: Sequence[Group],
     round_metrics: dict[str, Any],
@@ -143,8 +145,8 @@ def after_take(
     traced = bool(every) and step % every == 0
     if dump_dir is None and not traced:
         return
-    advantages = group_advantages(run, groups)
-    policy_version = run.policy.version if run.policy is not None else 0
+    advantages = group_advantages(run.parts.advantage_fn, groups, critic=cfg.critic is not None)
+    policy_version = run.models.policy.version if run.models.policy is not None else 0
     if dump_dir is not None:
         if not (Path(dump_dir) / "dump.json").is_file():
             dumps.write_manifest(dump_dir, to_dict(cfg))
@@ -167,7 +169,7 @@ def after_take(
             step=step,
             policy_version=policy_version,
             tokenizer=run.tokenizer,
-            policy=run.policy,
+            policy=run.models.policy,
         )
         run.log_samples(step, lines)
 

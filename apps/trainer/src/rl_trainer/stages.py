@@ -4,6 +4,7 @@
                     runs it ahead in the pipeline)
     take_groups     buffer.take(P, min_version=version - max_staleness)    + staleness metrics
     plan_and_pack   FLOPs-balanced order, micro-batch and data-parallel bounds, packed batch
+                    (:mod:`rl_trainer.packing`)
     rl_batch        + critic values -> rewards and advantages (GAE returns), loss weights,
                     reference / old log-probs
     train           policy.train_step (+ critic.train_step), once or per   + train metrics
@@ -11,8 +12,9 @@
     publish         transport.publish -> generator.update_weights          (checked version)
 
 The pure stages take their inputs as arguments; the ones that drive the run's components
-(``produce_round``, ``generate``, the publication) take the run (:class:`~rl_trainer.loop.Trainer`)
-that holds them. A new stage (a teacher's log-probs, PPO epochs) is a function here called by
+(``produce_round``, ``generate``, ``rl_batch``, ``train``, the publication) take the run's
+typed state (:class:`~rl_trainer.run_state.RunState`) that holds them. Planning and packing
+are :mod:`rl_trainer.packing`. A new stage (a teacher's log-probs, PPO epochs) is a function here called by
 the RL phase (:mod:`rl_trainer.phases.rl`).
 """
 
@@ -27,15 +29,14 @@ import numpy as np
 import torch
 
 from rl_agents.resumable import ResumableGenerator
-from rl_buffer.balance import schedule_step
-from rl_core.algorithms import compute_loss_weights
-from rl_core.batching import gather_response, pack_rollouts, scatter_response
+from rl_core.batching import gather_response, scatter_response
 from rl_core.errors import RLError
 from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer import lora, ppo_updates, routing, teacher
 from rl_trainer.build import component_name
 from rl_trainer.failures import exhausted_error
+from rl_trainer.packing import loss_weights, plan_and_pack
 from rl_trainer.pipeline import Weights
 from rl_trainer.rollout import (
     PartialStats,
@@ -46,14 +47,12 @@ from rl_trainer.rollout import (
 )
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.run_state import RunState
 
 __all__ = [
     "advantages",
     "generate",
     "load_update",
-    "plan",
-    "plan_and_pack",
     "produce_round",
     "publish",
     "publish_only",
@@ -73,7 +72,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 # ----------------------------------------------------------------------------- produce
 async def generate(
-    run: Trainer,
+    run: RunState,
     prompts: Sequence[Prompt],
     sampling: SamplingParams,
     n_samples: int,
@@ -83,7 +82,7 @@ async def generate(
     """Sample ``n_samples`` rollouts per prompt on the run's current generator (a custom
     ``generate_fn`` of a round with partial rollouts gets it resumable:
     :func:`resumable_generator`); ``generate_fn`` failures are counted in ``stats``."""
-    generator = run.generator
+    generator = run.models.generator
     if run.parts.generate_fn is not None and _partial(run):
         generator = resumable_generator(run)
     return await generate_groups(
@@ -93,7 +92,7 @@ async def generate(
         sampling=sampling,
         n_samples=n_samples,
         seed_parts=seed_parts,
-        policy_version=run.policy.version,
+        policy_version=run.models.policy.version,
         generate_fn=run.parts.generate_fn,
         stats=stats,
         generate_fn_name=component_name("rollout.generate_fn", run.config.rollout.generate_fn),
@@ -101,24 +100,28 @@ async def generate(
     )
 
 
-def _partial(run: Trainer) -> bool:
+def _partial(run: RunState) -> bool:
     """Whether rounds are interruptible by weight updates (``rl.partial_rollouts``, async)."""
     return run.config.rl.partial_rollouts and run.pipeline is not None
 
 
-def resumable_generator(run: Trainer) -> ResumableGenerator:
+def resumable_generator(run: RunState) -> ResumableGenerator:
     """The run's generator behind :class:`~rl_agents.resumable.ResumableGenerator` on the
     rollout pipeline (one per generator and pipeline, so an agent server built on
     ``ctx.generator`` is kept across prompts): a custom ``generate_fn``'s in-flight turn is
     aborted by a weight release and resumed on the new weights."""
     wrapped = run.resumable_generator
-    if wrapped is None or wrapped.inner is not run.generator or wrapped.updates is not run.pipeline:
-        wrapped = ResumableGenerator(run.generator, run.pipeline)
+    if (
+        wrapped is None
+        or wrapped.inner is not run.models.generator
+        or wrapped.updates is not run.pipeline
+    ):
+        wrapped = ResumableGenerator(run.models.generator, run.pipeline)
         run.resumable_generator = wrapped
     return wrapped
 
 
-async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
+async def produce_round(run: RunState, step: int) -> dict[str, Any]:
     """One rollout round: generate and score until the dynamic sampler holds
     ``prompts_per_step`` kept groups fresh enough for step ``step`` (surplus kept groups carry
     over to the next round), put them into the buffer, and return the round's metrics.
@@ -145,15 +148,15 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
         turns_before = dataclasses.replace(resumable_generator(run).stats)
     while not sampler.full:
         prompts = parts.train_data.next_prompts(sampler.request_size())
-        if run.adapters_served:  # multi-LoRA: each prompt samples with its adapter
-            lora.tag_prompts(cfg.adapter_key, run.policy.lora, prompts)
+        if run.sync.adapters_served:  # multi-LoRA: each prompt samples with its adapter
+            lora.tag_prompts(cfg.adapter_key, run.models.policy.lora, prompts)
         t0 = time.perf_counter()
         seed_parts = (run.config.seed, "rl", step, round_)
         round_stats = RolloutStats()
         if partial is not None and run.pipeline is not None and parts.generate_fn is None:
             groups = await generate_groups_resumable(
                 prompts,
-                generator=run.generator,
+                generator=run.models.generator,
                 buffer=parts.buffer,
                 sampling=cfg.sampling.to_params(),
                 n_samples=cfg.n_samples,
@@ -168,8 +171,8 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
                 run, prompts, cfg.sampling.to_params(), cfg.n_samples, seed_parts, round_stats
             )
         gen_time += time.perf_counter() - t0
-        if lora.multi(run.policy):  # ... and its rollouts train it
-            lora.tag_prompts(cfg.adapter_key, run.policy.lora, prompts)
+        if lora.multi(run.models.policy):  # ... and its rollouts train it
+            lora.tag_prompts(cfg.adapter_key, run.models.policy.lora, prompts)
             lora.tag_groups(groups)
         gen_tokens += sum(r.response_length for g in groups for r in g.rollouts)
         await parts.scorer.score(groups, round_stats)
@@ -212,7 +215,7 @@ async def produce_round(run: Trainer, step: int) -> dict[str, Any]:
     return record
 
 
-def _shape_rewards(run: Trainer, groups: Sequence[Group]) -> None:
+def _shape_rewards(run: RunState, groups: Sequence[Group]) -> None:
     """Reward shaping of training rollouts (``rollout.overlong_penalty``), before filters."""
     cfg = run.config.rollout
     if cfg.overlong_penalty is None:
@@ -310,56 +313,6 @@ def take_groups(
     }
 
 
-# ----------------------------------------------------------------------------- plan and pack
-def plan(
-    rollouts: Sequence[Rollout], policy: Any, max_tokens_per_micro_batch: int
-) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
-    """FLOPs-balanced plan (rl-buffer's scheduler) under the token cap: the order to pack the
-    rollouts in, the micro-batch bounds and, with data-parallel policy ranks, the shard
-    bounds (``()`` for one rank). Shards are packed one after the other in rank order. For a
-    policy that ``shares_prefixes``, a group's samples (one ``prompt_uid``) share a
-    micro-batch where the cap allows."""
-    dp = int(getattr(policy, "data_parallel_size", 1))
-    shares = bool(getattr(policy, "shares_prefixes", False))
-    schedule = schedule_step(
-        rollouts,
-        dp_size=dp,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-        shape=policy.model_shape,
-        prefix_groups=[r.prompt_uid for r in rollouts] if shares else None,
-    )
-    if dp == 1:
-        return schedule.rank_samples(0), schedule.micro_batch_bounds(0), ()
-    order: list[int] = []
-    bounds: list[int] = [0]
-    dp_bounds: list[int] = [0]
-    for rank in range(dp):
-        offset = len(order)
-        order.extend(schedule.rank_samples(rank))
-        bounds.extend(offset + b for b in schedule.micro_batch_bounds(rank)[1:])
-        dp_bounds.append(len(order))
-    return order, tuple(sorted(set(bounds))), tuple(dp_bounds)
-
-
-def plan_and_pack(
-    rollouts: Sequence[Rollout],
-    policy: Any,
-    max_tokens_per_micro_batch: int,
-    *,
-    mask_versions_below: int | None = None,
-) -> tuple[TrainBatch, list[int]]:
-    """Plan (:func:`plan`) and pack ``rollouts``: the batch, with its micro-batch and
-    data-parallel shard bounds, and the order its sequences are in."""
-    order, bounds, dp_bounds = plan(rollouts, policy, max_tokens_per_micro_batch)
-    batch = pack_rollouts(
-        [rollouts[i] for i in order],
-        micro_batch_bounds=bounds,
-        mask_versions_below=mask_versions_below,
-    )
-    batch.dp_bounds = dp_bounds
-    return batch, order
-
-
 # ----------------------------------------------------------------------------- advantages
 def advantages(
     advantage_fn: Any,
@@ -417,20 +370,8 @@ def _episode_advantages(
     return out
 
 
-def loss_weights(batch: TrainBatch, rollouts: Sequence[Rollout], alg: Any) -> torch.Tensor:
-    """Per-token loss weights of ``batch`` (whose sequences are ``rollouts``, in order) under
-    ``alg.aggregation`` (``algorithm`` section), on the loss mask's device."""
-    return compute_loss_weights(
-        batch.loss_mask,
-        batch.cu_seqlens,
-        mode=alg.aggregation,
-        rollout_ids=[r.rollout_id for r in rollouts],
-        constant=alg.aggregation_constant,
-    ).to(batch.loss_mask.device)
-
-
 def rl_batch(
-    run: Trainer, groups: Sequence[Group], metrics: dict[str, Any] | None = None
+    run: RunState, groups: Sequence[Group], metrics: dict[str, Any] | None = None
 ) -> TrainBatch:
     """The packed training batch of ``groups``: planned and packed, then critic values,
     advantages (and returns), loss weights, reference and old log-probs, and with a teacher
@@ -438,7 +379,7 @@ def rl_batch(
     ``metrics`` when given."""
     cfg = run.config
     alg = cfg.algorithm
-    policy = run.policy
+    policy = run.models.policy
     rollouts = [r for g in groups for r in g.rollouts]
     group_index = [gi for gi, g in enumerate(groups) for _ in g.rollouts]
     keep = cfg.rl.mask_older_than
@@ -452,8 +393,8 @@ def rl_batch(
     )
     rollouts, group_index = [rollouts[i] for i in order], [group_index[i] for i in order]
     values = None
-    if run.critic is not None:
-        batch.old_values = run.critic.compute_values(batch)
+    if run.models.critic is not None:
+        batch.old_values = run.models.critic.compute_values(batch)
         values = gather_response(rollouts, batch.old_values)
     adv, returns = advantages(run.parts.advantage_fn, rollouts, group_index, values)
     batch.advantages = scatter_response(rollouts, adv) * batch.loss_mask
@@ -462,12 +403,12 @@ def rl_batch(
     batch.loss_weights = loss_weights(batch, rollouts, alg)
     # The engine's routing stays on the batch; the policies see it only under replay.
     mode = cfg.rollout.routing_replay
-    if run.reference is not None:
-        batch.ref_logprobs = run.reference.compute_logprobs(
+    if run.models.reference is not None:
+        batch.ref_logprobs = run.models.reference.compute_logprobs(
             routing.for_policy(batch, mode)
         ).logprobs
-    if run.teacher is not None:
-        distill_metrics = teacher.distill(run, batch)
+    if run.models.teacher is not None:
+        distill_metrics = teacher.distill(cfg, run.models.teacher, policy, batch)
         if metrics is not None:
             metrics.update(distill_metrics)
     # One optimizer step per batch: the policy before the step is the current one, so old
@@ -484,7 +425,7 @@ def rl_batch(
 
 
 # ----------------------------------------------------------------------------- train
-def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
+def train(run: RunState, groups: Sequence[Group]) -> dict[str, Any]:
     """Build the batch of ``groups`` (:func:`rl_batch`) and take one optimizer step of the
     policy (and the critic), or one per PPO epoch and mini-batch
     (:func:`rl_trainer.ppo_updates.optimize`); returns the train metrics. Torch only: in async
@@ -496,14 +437,14 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
     routing_record: dict[str, float] = {}
     if rcfg.routing_replay != "off":
         batch, routing_record = routing.routing_step(
-            run.policy,
+            run.models.policy,
             batch,
             mode=rcfg.routing_replay,
-            step=run.state["rl_step"] + 1,
+            step=run.counters.rl_step + 1,
             no_replay_every=rcfg.routing_no_replay_every,
         )
     # one optimizer step, or rl.ppo_epochs x rl.mini_batches_per_step (metrics: their means)
-    m, cm, n_updates = ppo_updates.optimize(run, batch, groups)
+    m, cm, n_updates = ppo_updates.optimize(run.config, run.models, run.parts, batch, groups)
     critic_record: dict[str, Any] = {}
     if cm is not None:
         critic_record = {
@@ -549,47 +490,59 @@ def train(run: Trainer, groups: Sequence[Group]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- publish
-def publish_only(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+def publish_only(run: RunState, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
     """Publish ``weights`` as ``version`` through the weight transport; the update to load
     (the colocated hand-over loads it only after the generator has its memory back)."""
     if run.runtime is not None:  # ray: policy rank 0 publishes what it holds
         return run.runtime.publish(version, weights)
-    return lora.mark_update(run, run.transport.publish(version, weights))
+    return lora.mark_update(
+        run.sync, run.models.policy, run.sync.transport.publish(version, weights)
+    )
 
 
-async def load_update(run: Trainer, version: int, update: Any) -> None:
+async def load_update(run: RunState, version: int, update: Any) -> None:
     """Have the generator load a published ``update`` of ``version`` (checked)."""
-    await run.generator.update_weights(update, run.receiver)
-    if run.generator.weight_version != version:
+    await run.models.generator.update_weights(update, run.sync.receiver)
+    if run.models.generator.weight_version != version:
         raise RLError(
-            f"generator serves version {run.generator.weight_version} after an update to "
+            f"generator serves version {run.models.generator.weight_version} after an update to "
             f"{version}; the weight transport did not apply it."
         )
-    lora.served(run, update)
+    lora.served(
+        run.sync,
+        run.models.policy,
+        run.parts.eval_sets,
+        run.config.rollout.adapter_key,
+        update,
+    )
 
 
-async def publish(run: Trainer, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+async def publish(run: RunState, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Publish ``weights`` as ``version`` and have the generator load them (checked)."""
     await load_update(run, version, publish_only(run, version, weights))
 
 
-async def sync_weights(run: Trainer) -> float:
+async def sync_weights(run: RunState) -> float:
     """Bring the generator to the policy's current weights; returns the seconds it took."""
     t0 = time.perf_counter()
-    await publish(run, run.policy.version, lora.policy_weights(run))
+    await publish(
+        run,
+        run.models.policy.version,
+        lora.policy_weights(run.models.policy, run.sync.adapter_sync),
+    )
     return time.perf_counter() - t0
 
 
-async def serve(run: Trainer, version: int, weights: Weights | None) -> None:
+async def serve(run: RunState, version: int, weights: Weights | None) -> None:
     """Bring the generator to ``version`` for a rollout round (async mode): publish the copy
     the trainer released, or the live policy when it holds exactly ``version``."""
-    if run.generator.weight_version >= version:
+    if run.models.generator.weight_version >= version:
         return
     if weights is None:
-        if run.policy.version != version:
+        if run.models.policy.version != version:
             raise RLError(
                 f"weights of version {version} were not kept (policy is at "
-                f"{run.policy.version}); this is a bug in the rollout pipeline."
+                f"{run.models.policy.version}); this is a bug in the rollout pipeline."
             )
-        weights = lora.policy_weights(run)
+        weights = lora.policy_weights(run.models.policy, run.sync.adapter_sync)
     await publish(run, version, weights)

@@ -4,7 +4,8 @@ written on schedule, and how ``--resume`` restores it.
 A checkpoint (:mod:`rl_trainer.checkpoint` writes and verifies it) holds the models with their
 optimizers and ``trainer_state.pt``: the step counters, the policy version, the data, buffer,
 sampler and pipeline states, the RNG states, how many metric lines were written, and the
-config. Restoring reads the trainer state at start-up (:func:`restore`); the models are loaded
+config. :func:`save` writes one on schedule and :func:`stop` when a signal stops the run.
+Restoring reads the trainer state at start-up (:func:`restore`); the models are loaded
 when their phase builds them (:func:`load_resumed_models`), so a run resumed in the SFT phase
 and one resumed in RL take the same path.
 """
@@ -12,33 +13,33 @@ and one resumed in RL take the same path.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rl_core.config import to_dict
 from rl_core.errors import CheckpointError, RLError
 from rl_trainer.checkpoint import (
     capture_rng,
+    latest_checkpoint,
     load_trainer_state,
     restore_rng,
     resume_checkpoint,
     write_checkpoint,
 )
+from rl_trainer.offload import onloaded
 from rl_trainer.resume_check import check_resume
+from rl_trainer.run_state import Counters, PhaseModels, ResumePoint, RunState
 from rl_trainer.rundir import config_text
 
-if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
-
-__all__ = ["capture", "load_model", "load_resumed_models", "restore", "save"]
+__all__ = ["capture", "load_model", "load_resumed_models", "restore", "save", "stop"]
 
 
-def capture(run: Trainer, metrics_lines: int) -> dict[str, Any]:
+def capture(run: RunState, metrics_lines: int) -> dict[str, Any]:
     """The trainer state of ``run`` now (``trainer_state.pt``); ``metrics_lines``: how many
     lines ``metrics.jsonl`` holds, so a resumed run continues it exactly."""
     parts = run.parts
     return {
-        "state": dict(run.state),
-        "policy_version": run.policy.version,
+        "state": run.counters.as_checkpoint(),
+        "policy_version": run.models.policy.version,
         "train_data": parts.train_data.state_dict(),
         "buffer": parts.buffer.state_dict(),
         "sampler": parts.sampler.state_dict(),
@@ -50,15 +51,40 @@ def capture(run: Trainer, metrics_lines: int) -> dict[str, Any]:
     }
 
 
-def save(run: Trainer, metrics_lines: int) -> None:
+def save(run: RunState) -> None:
     """Write a checkpoint of ``run`` at its current step (models with optimizers, trainer
-    state), keeping the newest ``checkpoint.keep``."""
-    savers = {"policy": lambda d: run.policy.save(d, with_optimizer=True)}
-    if run.critic is not None:
-        savers["critic"] = lambda d: run.critic.save(d, with_optimizer=True)
+    state), keeping the newest ``checkpoint.keep``; the models are on the device while it is
+    written (:func:`rl_trainer.offload.onloaded`). Call it from a phase, inside
+    :meth:`Trainer.run() <rl_trainer.loop.Trainer.run>`."""
+    if run.metrics is None:
+        raise RLError("state.save: call it from a phase, inside Trainer.run().")
+    offload_after = run.counters.rl_step < run.config.rl.steps
+    with onloaded(run.handover, offload_after=offload_after):
+        _write(run, run.metrics.lines)
+
+
+async def stop(run: RunState, *, saved: bool) -> None:
+    """Stop early on a signal: quiesce the rollout pipeline (async mode) and write a
+    checkpoint of the step just finished unless ``saved`` (the schedule already wrote it);
+    records the signal and the checkpoint in ``run.stopped_by`` and ``run.stop_checkpoint``."""
+    if run.pipeline is not None:
+        await run.pipeline.drain(run.models.policy.version)
+    if not saved:
+        save(run)
+    if run.stop_signals is None:
+        raise RLError("state.stop: call it from a phase, inside Trainer.run().")
+    run.stopped_by = run.stop_signals.signum
+    run.stop_checkpoint = latest_checkpoint(run.run_dir)
+
+
+def _write(run: RunState, metrics_lines: int) -> None:
+    """Write the checkpoint (:func:`save`)."""
+    savers = {"policy": lambda d: run.models.policy.save(d, with_optimizer=True)}
+    if run.models.critic is not None:
+        savers["critic"] = lambda d: run.models.critic.save(d, with_optimizer=True)
     write_checkpoint(
         run.run_dir,
-        run.state["sft_step"] + run.state["rl_step"],
+        run.counters.global_step,
         save_models=savers,
         trainer_state=capture(run, metrics_lines),
         keep=run.config.checkpoint.keep,
@@ -66,7 +92,7 @@ def save(run: Trainer, metrics_lines: int) -> None:
     )
 
 
-def restore(run: Trainer) -> None:
+def restore(run: RunState) -> None:
     """Read the newest intact checkpoint's trainer state into ``run`` (every file is verified
     against the checkpoint's manifest first; ``checkpoint.on_damaged`` says what a damaged one
     does; the recipe and the data must match the checkpoint's, :func:`check_resume`); the models are loaded when their phase starts (:func:`load_resumed_models`)."""
@@ -83,33 +109,36 @@ def restore(run: Trainer) -> None:
         allow=run.allow_changed,
     )
     parts = run.parts
-    run.state = dict(st["state"])
+    run.counters = Counters.from_checkpoint(st["state"])
     parts.train_data.load_state_dict(st["train_data"])
     parts.buffer.load_state_dict(st["buffer"])
     parts.sampler.load_state_dict(st["sampler"])
-    run.ready_rounds = dict(st.get("pipeline", {}).get("ready", {}))
-    run.resume_lines = st["metrics_lines"]
-    run._resume_from = ckpt
-    run.resume_state = st
+    run.resume = ResumePoint(
+        checkpoint=ckpt,
+        state=st,
+        metrics_lines=st["metrics_lines"],
+        ready_rounds=dict(st.get("pipeline", {}).get("ready", {})),
+    )
 
 
-def load_resumed_models(run: Trainer) -> None:
-    """Load the checkpointed policy (and critic) into the freshly built ones of the current
-    phase, check the policy version and restore the RNG states; a no-op when nothing is
-    pending."""
-    if run._resume_from is None:
+def load_resumed_models(resume: ResumePoint, models: PhaseModels) -> None:
+    """Load the checkpointed policy (and critic) of ``resume`` into the freshly built
+    ``models`` of the current phase, check the policy version and restore the RNG states; a
+    no-op when nothing is pending (then nothing is, until the next ``--resume``)."""
+    if resume.checkpoint is None:
         return
-    ckpt, st = run._resume_from, run.resume_state
-    load_model(run.policy, ckpt / "policy")
-    if run.critic is not None:
-        load_model(run.critic, ckpt / "critic")
-    if run.policy.version != st["policy_version"]:
+    ckpt, st = resume.checkpoint, resume.state
+    assert models.policy is not None
+    load_model(models.policy, ckpt / "policy")
+    if models.critic is not None:
+        load_model(models.critic, ckpt / "critic")
+    if models.policy.version != st["policy_version"]:
         raise CheckpointError(
-            f"{ckpt}: policy version {run.policy.version} != recorded "
+            f"{ckpt}: policy version {models.policy.version} != recorded "
             f"{st['policy_version']}; resume with the recipe that wrote this checkpoint."
         )
     restore_rng(st["rng"])
-    run._resume_from = None
+    resume.checkpoint = None
 
 
 def load_model(model: Any, path: Path) -> None:

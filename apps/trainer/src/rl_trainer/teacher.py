@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,9 +40,6 @@ from rl_core.types import TrainBatch
 from rl_trainer import routing
 from rl_trainer.build import with_defaults
 from rl_trainer.config import TeacherConfig, TrainerConfig
-
-if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
 
 __all__ = ["build_teacher", "check_teacher_tokenizer", "distill"]
 
@@ -103,18 +100,18 @@ def _sglang_config(cls: Any, t: TeacherConfig) -> Any:
     return from_dict(cls.Config, {**t.options, "url": t.url}, path="teacher.options")
 
 
-def distill(run: Trainer, batch: TrainBatch) -> dict[str, float]:
-    """Score ``batch`` with the run's teacher and shape ``batch.advantages`` in place to
+def distill(cfg: TrainerConfig, teacher: Any, policy: Any, batch: TrainBatch) -> dict[str, float]:
+    """Score ``batch`` with ``teacher`` (``cfg.teacher``'s model) and shape ``batch.advantages`` in place to
     ``reward_weight * A - coef * (logp_student - logp_teacher)`` on response tokens; with
     ``student_logprobs: policy`` the student log-probs computed here also become
-    ``batch.old_logprobs`` (they are the pre-step policy's). Returns the ``distill/*``
+    ``batch.old_logprobs`` (they are the pre-step ``policy``'s). Returns the ``distill/*``
     metrics."""
-    t = run.config.teacher
-    assert t is not None and run.teacher is not None
-    mode = run.config.rollout.routing_replay
+    t = cfg.teacher
+    assert t is not None and teacher is not None
+    mode = cfg.rollout.routing_replay
     # The engine's routing belongs to the student's experts, never to the teacher's.
     plain = dataclasses.replace(batch, routed_experts=None)
-    teacher_T = run.teacher.compute_logprobs(plain).logprobs.to(torch.float32)
+    teacher_T = teacher.compute_logprobs(plain).logprobs.to(torch.float32)
     if t.student_logprobs == "rollout":
         if batch.rollout_logprobs is None:
             raise ConfigError(
@@ -124,9 +121,7 @@ def distill(run: Trainer, batch: TrainBatch) -> dict[str, float]:
         student_T = batch.rollout_logprobs.to(torch.float32)
     else:
         if batch.old_logprobs is None:
-            batch.old_logprobs = run.policy.compute_logprobs(
-                routing.for_policy(batch, mode)
-            ).logprobs
+            batch.old_logprobs = policy.compute_logprobs(routing.for_policy(batch, mode)).logprobs
         student_T = batch.old_logprobs.to(torch.float32)
     mask_T = batch.loss_mask
     batch.advantages = distillation_advantages(

@@ -19,7 +19,7 @@ is encoded separately, so the mask is exact by construction.
 
 The step loop, checkpoints and resume are the warm-up's (:mod:`rl_trainer.phases.sft`): ``sft.steps``
 steps of ``sft.batch_size`` conversations, packed into micro-batches of at most
-``rl.max_tokens_per_micro_batch`` tokens (:func:`rl_trainer.stages.plan_and_pack`), with the
+``rl.max_tokens_per_micro_batch`` tokens (:func:`rl_trainer.packing.plan_and_pack`), with the
 policy's learning rate (or ``sft.lr``). ``eval/loss`` (mean assistant-token NLL of
 ``data.eval``, at most ``eval.max_prompts`` conversations) is logged at step 0, every
 ``eval.every`` steps and at the last step; the final weights go to ``final_model``.
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 from rl_core import registry
 from rl_core.errors import DataError
 from rl_core.types import Prompt, Rollout
-from rl_trainer.stages import plan_and_pack
+from rl_trainer.packing import plan_and_pack
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.config import TrainerConfig
 
 __all__ = [
     "assistant_tokens",
@@ -142,40 +142,35 @@ def chat_rollouts(prompts: Sequence[Prompt], tokenizer: Any, version: int) -> li
     return out
 
 
-def eval_due(trainer: Trainer) -> bool:
-    """Whether ``eval/loss`` is due at the current step (``data.eval`` set; step 0, every
-    ``eval.every`` steps, and the last)."""
-    cfg = trainer.config
+def eval_due(cfg: TrainerConfig, sft_step: int) -> bool:
+    """Whether ``eval/loss`` is due after SFT step ``sft_step`` (``data.eval`` set; step 0,
+    every ``eval.every`` steps, and the last)."""
     if cfg.data.eval is None:
         return False
-    s, every = trainer.state["sft_step"], cfg.eval.every
+    s, every = sft_step, cfg.eval.every
     return s == 0 or s == cfg.sft.steps or (every > 0 and s % every == 0)
 
 
-def eval_rollouts(trainer: Trainer) -> list[Rollout]:
+def eval_rollouts(cfg: TrainerConfig, tokenizer: Any) -> list[Rollout]:
     """The held-out conversations (``data.eval``, the first ``eval.max_prompts``) as rollouts;
     empty without ``data.eval``."""
-    cfg = trainer.config
     if cfg.data.eval is None:
         return []
-    src = registry.build(
-        "data_source", cfg.data.eval, field="data.eval", tokenizer=trainer.tokenizer
-    )
+    src = registry.build("data_source", cfg.data.eval, field="data.eval", tokenizer=tokenizer)
     n = len(src) if cfg.eval.max_prompts is None else min(len(src), cfg.eval.max_prompts)
-    return chat_rollouts(src.next_prompts(n), trainer.tokenizer, 0)
+    return chat_rollouts(src.next_prompts(n), tokenizer, 0)
 
 
-def eval_loss(trainer: Trainer, rollouts: Sequence[Rollout]) -> dict[str, float]:
+def eval_loss(policy: Any, rollouts: Sequence[Rollout], cap: int) -> dict[str, float]:
     """``eval/loss``: mean negative log-likelihood per assistant token of the held-out
-    conversations ``rollouts`` under the current policy (no gradients, micro-batched like
-    training)."""
+    conversations ``rollouts`` under ``policy`` (no gradients, micro-batched like training,
+    ``cap``: ``rl.max_tokens_per_micro_batch``)."""
     if not rollouts:
         return {}
-    cap = trainer.config.rl.max_tokens_per_micro_batch
     nll, count = 0.0, 0.0
     for i in range(0, len(rollouts), 64):
-        batch, _ = plan_and_pack(list(rollouts[i : i + 64]), trainer.policy, cap)
-        logp_T = trainer.policy.compute_logprobs(batch).logprobs.float().cpu()
+        batch, _ = plan_and_pack(list(rollouts[i : i + 64]), policy, cap)
+        logp_T = policy.compute_logprobs(batch).logprobs.float().cpu()
         m_T = (batch.loss_mask > 0).float().cpu()
         nll -= float((logp_T * m_T).sum())
         count += float(m_T.sum())

@@ -9,17 +9,17 @@ from rl_trainer.rollout import RolloutStats
 from rl_trainer.stages import generate
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.run_state import RunState
 
 __all__ = ["due", "evaluate"]
 
 
-def due(run: Trainer, step: int) -> bool:
+def due(run: RunState, step: int) -> bool:
     """Whether any eval set is evaluated after RL step ``step``."""
     return any(s.due(step, run.config.rl.steps) for s in run.eval_sets)
 
 
-async def evaluate(run: Trainer, step: int, *, every_set: bool = False) -> dict[str, float]:
+async def evaluate(run: RunState, step: int, *, every_set: bool = False) -> dict[str, float]:
     """Sample and score every eval set due at ``step`` (every set whatever its schedule with
     ``every_set``: ``rl-train eval``); the same prompts every time.
 

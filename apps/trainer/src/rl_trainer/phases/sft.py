@@ -14,65 +14,68 @@ from rl_core.algorithms import SFTLoss
 from rl_core.errors import RLError
 from rl_core.types import Prompt, Rollout
 from rl_trainer import lora
+from rl_trainer import state as checkpoints
 from rl_trainer.assembly import build_policy
+from rl_trainer.packing import plan_and_pack
 from rl_trainer.phases import chat_sft
-from rl_trainer.stages import plan_and_pack
 from rl_trainer.state import load_resumed_models
 
 if TYPE_CHECKING:
-    from rl_trainer.loop import Trainer
+    from rl_trainer.run_state import RunState
 
 __all__ = ["run", "sft_rollouts", "sft_step"]
 
 
-async def run(trainer: Trainer) -> bool:
+async def run(run_state: RunState) -> bool:
     """Run the remaining SFT steps (the warm-up, or with ``mode: sft`` the whole run on chat
     data, :mod:`rl_trainer.phases.chat_sft`); ``True`` when a signal stopped the run."""
-    cfg = trainer.config
+    cfg = run_state.config
     chat = cfg.mode == "sft"
-    if trainer.state["sft_step"] >= cfg.sft.steps:
+    if run_state.counters.sft_step >= cfg.sft.steps:
         return False
     overrides: dict[str, Any] = {"lr": cfg.sft.lr} if cfg.sft.lr is not None else {}
     if not cfg.sft.lora and cfg.policy.options.get("lora") is not None:
         overrides["lora"] = None  # a full fine-tuning warm-up
-    trainer.policy = build_policy(
-        cfg, trainer.runtime, trainer.parts.init_model_path, temperature=1.0, **overrides
+    run_state.models.policy = build_policy(
+        cfg, run_state.runtime, run_state.parts.init_model_path, temperature=1.0, **overrides
     )
-    load_resumed_models(trainer)
-    held_out = chat_sft.eval_rollouts(trainer) if chat else []
-    if chat and trainer.state["sft_step"] == 0 and chat_sft.eval_due(trainer):  # step 0
-        trainer.emit({"step": 0, "phase": "sft", **chat_sft.eval_loss(trainer, held_out)})
+    load_resumed_models(run_state.resume, run_state.models)
+    counters, cap = run_state.counters, cfg.rl.max_tokens_per_micro_batch
+    held_out = chat_sft.eval_rollouts(cfg, run_state.tokenizer) if chat else []
+    if chat and counters.sft_step == 0 and chat_sft.eval_due(cfg, 0):  # step 0
+        loss = chat_sft.eval_loss(run_state.models.policy, held_out, cap)
+        run_state.emit({"step": 0, "phase": "sft", **loss})
     saved = False
-    while trainer.state["sft_step"] < cfg.sft.steps:
-        rec = sft_step(trainer, chat_sft.chat_rollouts if chat else sft_rollouts)
-        if chat and chat_sft.eval_due(trainer):
-            rec.update(chat_sft.eval_loss(trainer, held_out))
-        trainer.emit(rec)
+    while run_state.counters.sft_step < cfg.sft.steps:
+        rec = sft_step(run_state, chat_sft.chat_rollouts if chat else sft_rollouts)
+        if chat and chat_sft.eval_due(cfg, counters.sft_step):
+            rec.update(chat_sft.eval_loss(run_state.models.policy, held_out, cap))
+        run_state.emit(rec)
         # A checkpoint after the warm-up's last step is taken at the start of RL (the RL
         # phase): resuming there needs the RL phase's policy and optimizer.
-        if trainer.state["sft_step"] == cfg.sft.steps and not chat:
+        if run_state.counters.sft_step == cfg.sft.steps and not chat:
             break
-        saved = trainer.checkpoint_due()
+        saved = run_state.checkpoint_due()
         if saved:
-            trainer.save()
-        if trainer.stop_requested and trainer.state["sft_step"] < cfg.sft.steps:
-            await trainer.stop(saved=saved)
+            checkpoints.save(run_state)
+        if run_state.stop_requested and run_state.counters.sft_step < cfg.sft.steps:
+            await checkpoints.stop(run_state, saved=saved)
             return True
     if chat:  # the run ends here: the final model, then the last checkpoint
-        lora.save_final(trainer.policy, trainer.run_dir / "final_model")
+        lora.save_final(run_state.models.policy, run_state.run_dir / "final_model")
         if not saved:
-            trainer.save()
+            checkpoints.save(run_state)
         return False
-    tmp = trainer.run_dir / ".tmp-sft_model"
+    tmp = run_state.run_dir / ".tmp-sft_model"
     # The RL phase starts from a Hugging Face model: a LoRA warm-up's adapter is merged in.
-    if trainer.policy.lora is not None:
-        trainer.policy.save_merged(tmp)
+    if run_state.models.policy.lora is not None:
+        run_state.models.policy.save_merged(tmp)
     else:
-        trainer.policy.save(tmp, with_optimizer=False)
-    if trainer.sft_model_path.exists():
-        shutil.rmtree(trainer.sft_model_path)
-    tmp.rename(trainer.sft_model_path)
-    trainer.policy = None
+        run_state.models.policy.save(tmp, with_optimizer=False)
+    if run_state.sft_model_path.exists():
+        shutil.rmtree(run_state.sft_model_path)
+    tmp.rename(run_state.sft_model_path)
+    run_state.models.policy = None
     return False
 
 
@@ -103,22 +106,22 @@ def sft_rollouts(prompts: Sequence[Prompt], tokenizer: Any, version: int) -> lis
 
 
 def sft_step(
-    trainer: Trainer,
+    run_state: RunState,
     rollouts_of: Callable[[Sequence[Prompt], Any, int], list[Rollout]] = sft_rollouts,
 ) -> dict[str, Any]:
     """One step on ``sft.batch_size`` prompts made into rollouts by ``rollouts_of`` (the
     warm-up's labelled prompts, or :func:`rl_trainer.phases.chat_sft.chat_rollouts` for chat
     conversations); returns its metrics."""
-    cfg = trainer.config
+    cfg = run_state.config
     t0 = time.perf_counter()
-    prompts = trainer.parts.train_data.next_prompts(cfg.sft.batch_size)
-    rollouts = rollouts_of(prompts, trainer.tokenizer, trainer.policy.version)
-    batch, _ = plan_and_pack(rollouts, trainer.policy, cfg.rl.max_tokens_per_micro_batch)
-    m = trainer.policy.train_step(batch, SFTLoss())
+    prompts = run_state.parts.train_data.next_prompts(cfg.sft.batch_size)
+    rollouts = rollouts_of(prompts, run_state.tokenizer, run_state.models.policy.version)
+    batch, _ = plan_and_pack(rollouts, run_state.models.policy, cfg.rl.max_tokens_per_micro_batch)
+    m = run_state.models.policy.train_step(batch, SFTLoss())
     dt = time.perf_counter() - t0
-    trainer.state["sft_step"] += 1
+    run_state.counters.sft_step += 1
     return {
-        "step": trainer.state["sft_step"],
+        "step": run_state.counters.sft_step,
         "phase": "sft",
         "train/loss": m["loss"],
         "train/grad_norm": m["grad_norm"],

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rl_core import registry
 from rl_core.config import ComponentSpec
@@ -21,13 +21,36 @@ from rl_core.types import (
     WeightUpdate,
 )
 from rl_trainer.ray.collective import CollectiveGroup
+from rl_trainer.ray.colocation import Colocation
 from rl_trainer.ray.config import setup_process, spec_with
 
-if TYPE_CHECKING:
-    from rl_trainer.ray.runtime import RayRuntime
+
+class EngineHost(Protocol):
+    """What a :class:`RayGeneratorPool` needs of its runtime
+    (:class:`~rl_trainer.ray.runtime.RayRuntime`, which builds the pool: a protocol here, so
+    the runtime imports this module and not the reverse)."""
+
+    config: Any
+    """The ``runtime`` section (timeouts, restart budget)."""
+    colocation: Colocation
+    """The colocated hand-over of the engines' memory."""
+
+    def take_engines(self) -> list[Any]:
+        """The engines started with the runtime (handed out once)."""
+        ...
+
+    def start_engine(self, slot: int) -> Any:
+        """Start the engine of bundle ``slot``."""
+        ...
+
+    def current_checkpoint(
+        self, version: int, receiver_spec: ComponentSpec | None
+    ) -> tuple[int, str | None]:
+        """A directory holding weight ``version`` for a restarted engine."""
+        ...
 
 
-__all__ = ["GeneratorEngine", "RayGeneratorPool", "await_ref"]
+__all__ = ["EngineHost", "GeneratorEngine", "RayGeneratorPool", "await_ref"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +177,7 @@ class RayGeneratorPool(Generator):
     serving the current weights (``restarts`` counts them).
     """
 
-    def __init__(self, runtime: RayRuntime, spec: ComponentSpec) -> None:
+    def __init__(self, runtime: EngineHost, spec: ComponentSpec) -> None:
         self.runtime = runtime
         self.spec = spec
         self.receiver_spec: ComponentSpec | None = None
@@ -248,7 +271,7 @@ class RayGeneratorPool(Generator):
             spec = self.spec
             if path is not None:
                 spec = spec_with("generator", spec, model_path=path, initial_version=version)
-            engine = self.runtime._start_engine(slot)
+            engine = self.runtime.start_engine(slot)
             served = (await await_ref(engine.build.remote(spec)))[0]
             if self.group is not None:  # a new world with the new engine, re-synced
                 self.engines[slot] = engine

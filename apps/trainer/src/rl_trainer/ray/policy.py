@@ -171,8 +171,8 @@ class PolicyRank:
         self._on_model_thread(model.onload)
 
     def memory_sample(self, role: str) -> dict[str, int]:
-        """This rank's memory (:func:`rl_trainer.offload.memory_sample` of ``role``'s model)."""
-        from rl_trainer.offload import memory_sample
+        """This rank's memory (:func:`rl_trainer.memory.memory_sample` of ``role``'s model)."""
+        from rl_trainer.memory import memory_sample
 
         model = self.models[role]
         return memory_sample([model] if hasattr(model, "resident_storages") else [])

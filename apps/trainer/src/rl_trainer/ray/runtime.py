@@ -97,7 +97,7 @@ class RayRuntime:
                     name=f"{self.tag}-policy-{i}",
                 ).remote(i, self.n_policy, config.threads, self.env)
             )
-        self._engines = [self._start_engine(i) for i in range(self.n_gen)]
+        self._engines = [self.start_engine(i) for i in range(self.n_gen)]
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         ray.get([r.init_world.remote(master_addr, master_port) for r in self.ranks])
 
@@ -137,7 +137,9 @@ class RayRuntime:
             raise RLError("ray runtime: the generator engines were already handed out.")
         return engines
 
-    def _start_engine(self, slot: int) -> Any:
+    def start_engine(self, slot: int) -> Any:
+        """Start the generator engine actor of bundle ``slot`` (at start-up, and to replace a
+        failed one)."""
         import ray
 
         rc = self.config
