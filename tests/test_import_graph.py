@@ -36,7 +36,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 KNOWN_CIRCLES = {
-    "rl_trainer",
     "rl_megatron",
 }
 
