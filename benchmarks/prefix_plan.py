@@ -40,7 +40,7 @@ PLANS = ("token", "grouped")
 def run_case(plan: str, cap: int, steps: int, work: Path) -> dict[str, Any]:
     """One training run in this process (the worker side): the counts and timings."""
     import rl_hf._packed_attention as packed
-    import rl_trainer.stages as stages
+    import rl_trainer.step.stages as stages
     from rl_core.config import load_config_file
     from rl_trainer.cli import recipe_path
     from rl_trainer.config import load_trainer_config

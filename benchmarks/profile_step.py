@@ -159,10 +159,10 @@ def run_case(
 
     import rl_hf.generator as gen_mod
     import rl_hf.policy as pol_mod
-    from rl_trainer import stages
     from rl_trainer.config import load_trainer_config
     from rl_trainer.loop import Trainer
     from rl_trainer.phases import rl as rl_phase
+    from rl_trainer.step import stages
 
     sft = _sft(work)
     s = SETTINGS[setting]

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from rl_core.errors import CheckpointError
-from rl_trainer.checkpoint import CheckpointWarning, verify_checkpoint
 from rl_trainer.config import load_trainer_config
+from rl_trainer.lifecycle.checkpoint import CheckpointWarning, verify_checkpoint
 from rl_trainer.loop import Trainer
 
 NEWEST, PREVIOUS = "step_000002", "step_000001"

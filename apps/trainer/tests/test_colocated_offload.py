@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from rl_core.errors import ConfigError
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.offload import PHASES
+from rl_trainer.step.offload import PHASES
 
 STEPS = 20
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rl_core.errors import ConfigError
-from rl_trainer import teacher as teacher_mod
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
+from rl_trainer.step import teacher as teacher_mod
 
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 4}
 

@@ -12,8 +12,8 @@ import torch
 from rl_core.algorithms import compute_loss_weights
 from rl_core.algorithms.advantages import GRPO
 from rl_core.types import Rollout
-from rl_trainer.packing import plan_and_pack
-from rl_trainer.stages import advantages
+from rl_trainer.step.packing import plan_and_pack
+from rl_trainer.step.stages import advantages
 
 
 def _rollout(rid: str, sample: str, reward: float, n_resp: int, n_prompt: int = 3) -> Rollout:

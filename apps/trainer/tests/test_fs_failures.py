@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from rl_core.errors import CheckpointError, ConfigError
-from rl_trainer import checkpoint as ckpt_mod
-from rl_trainer.checkpoint import latest_checkpoint, resume_checkpoint, write_checkpoint
-from rl_trainer.rundir import claim
+from rl_trainer.lifecycle import checkpoint as ckpt_mod
+from rl_trainer.lifecycle.checkpoint import latest_checkpoint, resume_checkpoint, write_checkpoint
+from rl_trainer.lifecycle.rundir import claim
 
 BIG = {"blob": torch.zeros(512 * 1024)}  # 2 MiB of float32
 
@@ -86,7 +86,7 @@ def test_a_file_size_limit_inside_torch_save_is_a_checkpoint_error(tmp_path):
         from pathlib import Path
         import torch
         from rl_core.errors import CheckpointError
-        from rl_trainer.checkpoint import write_checkpoint, latest_checkpoint
+        from rl_trainer.lifecycle.checkpoint import write_checkpoint, latest_checkpoint
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         run_dir = Path({str(tmp_path / "run")!r})
@@ -164,9 +164,9 @@ def test_a_full_disk_while_saving_the_final_model_ends_the_run_naming_it(
 ):
     """Beyond checkpoints: a run-directory write that fails (here the final model on a full
     disk) is a CheckpointError naming the file and the cause, not a raw OSError."""
-    from rl_trainer import lora
     from rl_trainer.config import load_trainer_config
     from rl_trainer.loop import Trainer
+    from rl_trainer.step import lora
 
     def full(policy, directory):
         raise OSError(errno.ENOSPC, "No space left on device", str(directory / "model.safetensors"))

@@ -15,7 +15,7 @@ import yaml
 
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.metrics import MetricsLogger
+from rl_trainer.ops.metrics import MetricsLogger
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_half_failing_reward_shows_in_training_and_eval_means(
     for r in evals:
         assert r["eval/failed_fraction"] == pytest.approx(0.5)
         assert r["eval/reward_mean"] == pytest.approx(0.5)
-    from rl_trainer.report import build_figure  # the report draws the fraction by the mean
+    from rl_trainer.ops.report import build_figure  # the report draws the fraction by the mean
 
     reward = next(ax for ax in build_figure({"run": records}).axes if ax.get_title() == "Reward")
     labels = {line.get_label() for line in reward.get_lines()}

@@ -15,11 +15,11 @@ pytest.importorskip("peft")
 
 from rl_core.errors import ConfigError
 from rl_core.lora import adapter_of
-from rl_trainer import stages
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.lora import BaseReference
 from rl_trainer.phases import sft as sft_phase
+from rl_trainer.step import stages
+from rl_trainer.step.lora import BaseReference
 
 STEPS = 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rl_trainer.metrics import PROGRESS_REFRESH_PER_S, MetricsLogger, count_steps
+from rl_trainer.ops.metrics import PROGRESS_REFRESH_PER_S, MetricsLogger, count_steps
 
 
 def _records(sft: int, rl: int) -> list[dict]:

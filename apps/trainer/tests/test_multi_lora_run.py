@@ -14,9 +14,10 @@ pytest.importorskip("peft")
 
 from rl_core.errors import ConfigError
 from rl_core.lora import adapter_of, split_adapters
-from rl_trainer import rollout, stages
+from rl_trainer import rollout
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
+from rl_trainer.step import stages
 
 STEPS = 2
 ADAPTERS = ["solver", "critic"]

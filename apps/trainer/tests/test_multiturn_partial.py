@@ -19,7 +19,7 @@ from rl_buffer import GroupBuffer
 from rl_core.types import Group, Prompt, Rollout
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.stages import take_groups
+from rl_trainer.step.stages import take_groups
 
 # Three turns per episode; the middle one is long, so a round outlasts a training step and the
 # trainer's release lands while it generates. Every turn's pieces are recorded.

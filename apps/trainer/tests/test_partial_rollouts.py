@@ -21,8 +21,8 @@ from rl_core.types import (
     SamplingParams,
 )
 from rl_trainer.config import load_trainer_config
-from rl_trainer.pipeline import RolloutPipeline
 from rl_trainer.rollout import PartialStats, generate_groups_resumable
+from rl_trainer.step.pipeline import RolloutPipeline
 
 
 class _StepGenerator(Generator):

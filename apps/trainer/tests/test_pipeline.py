@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rl_core.errors import RLError
-from rl_trainer.pipeline import RolloutPipeline
+from rl_trainer.step.pipeline import RolloutPipeline
 
 
 class _Fake:

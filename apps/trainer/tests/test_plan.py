@@ -1,11 +1,11 @@
-"""The trainer's micro-batch plan (``rl_trainer.packing.plan``): a policy that computes a shared
+"""The trainer's micro-batch plan (``rl_trainer.step.packing.plan``): a policy that computes a shared
 prompt once gets each GRPO group's samples in one micro-batch where the cap allows."""
 
 from __future__ import annotations
 
 from rl_core.testing.buffer import make_group
 from rl_core.types import ModelShape
-from rl_trainer import packing
+from rl_trainer.step import packing
 
 SHAPE = ModelShape(
     num_layers=2,

@@ -1,4 +1,4 @@
-"""PPO epochs and mini-batches in the trainer (:mod:`rl_trainer.ppo_updates`): one epoch and one
+"""PPO epochs and mini-batches in the trainer (:mod:`rl_trainer.step.ppo_updates`): one epoch and one
 mini-batch is the old single-step path bit for bit; more updates make the ratio and clipping
 act, advance the version once per update and keep the staleness arithmetic consistent."""
 
@@ -10,9 +10,9 @@ import torch
 from rl_core.errors import ConfigError
 from rl_core.types import TrainBatch
 from rl_hf.policy import HFPolicy
-from rl_trainer import ppo_updates
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
+from rl_trainer.step import ppo_updates
 
 
 def parity_reward(prompt, response, rollout) -> float:

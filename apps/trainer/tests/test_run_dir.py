@@ -19,8 +19,8 @@ import yaml
 from rl_core.errors import ConfigError
 from rl_trainer.cli import main
 from rl_trainer.config import load_trainer_config
+from rl_trainer.lifecycle.rundir import claim
 from rl_trainer.loop import Trainer
-from rl_trainer.rundir import claim
 
 
 def _recipe(make, run_dir: Path, **sections) -> dict:
@@ -51,7 +51,7 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(tmp_pat
             textwrap.dedent(
                 f"""
                 import sys, time
-                from rl_trainer.rundir import claim
+                from rl_trainer.lifecycle.rundir import claim
                 lock = claim({str(run_dir)!r}, resume=False)
                 print("locked", flush=True)
                 sys.stdin.read()
@@ -125,7 +125,7 @@ def test_a_read_only_run_dir_is_a_config_error_naming_it(tmp_path):
 
 def _claim_elsewhere(run_dir: Path) -> subprocess.CompletedProcess:
     """Try to claim ``run_dir`` (as a resume) from another process."""
-    code = f"from rl_trainer.rundir import claim; claim({str(run_dir)!r}, resume=True)"
+    code = f"from rl_trainer.lifecycle.rundir import claim; claim({str(run_dir)!r}, resume=True)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from rl_core.errors import ConfigError, DataError
 from rl_core.types import Group, Prompt, Rollout, RolloutStatus
-from rl_trainer import dumps
 from rl_trainer.cli import main
+from rl_trainer.ops import dumps
 
 REWARD = """
 def reward(prompt, response, rollout):
@@ -149,7 +149,7 @@ def test_replay_of_an_async_run_is_bitwise_too(tmp_path, tiny_recipe_dict):
 def test_replay_errors_name_the_fix(dumped_run, tmp_path, capsys):
     assert main(["replay", str(tmp_path)]) == 2
     assert "dump.json: not found" in capsys.readouterr().err
-    from rl_trainer.replay import run_replay
+    from rl_trainer.ops.replay import run_replay
 
     with pytest.raises(ConfigError, match="rl.steps: 3, but .* holds 2 dumped steps"):
         run_replay(
@@ -176,7 +176,7 @@ def test_rollout_only_generates_scores_and_dumps(tmp_path, tiny_recipe_dict):
     assert [r["phase"] for r in records] == ["rollout", "rollout"]
     assert all("train/loss" not in r for r in records)
     assert not (tmp_path / "gen" / "final_model").exists()
-    from rl_trainer.samples import read_samples
+    from rl_trainer.ops.samples import read_samples
 
     (line, _) = read_samples(tmp_path / "gen")  # no policy: traces without trainer log-probs
     assert line["step"] == 2 and line["rollouts"][0]["trainer_logprobs"] is None
@@ -223,7 +223,7 @@ def test_wandb_sink_without_the_package_names_the_fix(monkeypatch, tmp_path, tin
     import sys
 
     from rl_trainer.config import load_trainer_config
-    from rl_trainer.sinks import build_sinks
+    from rl_trainer.ops.sinks import build_sinks
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = load_trainer_config(
@@ -238,7 +238,7 @@ def test_wandb_sink_without_the_package_names_the_fix(monkeypatch, tmp_path, tin
 def test_sample_traces_match_the_dump_and_reach_tensorboard(dumped_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rl_trainer.samples import read_samples
+    from rl_trainer.ops.samples import read_samples
 
     lines = read_samples(dumped_run)
     assert sorted({line["step"] for line in lines}) == [1, 2]
@@ -263,7 +263,7 @@ def test_show_prints_a_step_readably(dumped_run, capsys):
 
     from rich.console import Console
 
-    from rl_trainer.samples import read_samples
+    from rl_trainer.ops.samples import read_samples
     from rl_trainer.show import show_samples
 
     buf = io.StringIO()
@@ -278,8 +278,8 @@ def test_show_prints_a_step_readably(dumped_run, capsys):
 
 
 def test_report_has_step_time_staleness_and_mismatch_panels(dumped_run):
-    from rl_trainer.metrics import read_metrics
-    from rl_trainer.report import STEP_TIME, build_figure, write_report
+    from rl_trainer.ops.metrics import read_metrics
+    from rl_trainer.ops.report import STEP_TIME, build_figure, write_report
 
     records = read_metrics(dumped_run)
     fig = build_figure({"run": records})
@@ -304,8 +304,8 @@ def test_report_has_step_time_staleness_and_mismatch_panels(dumped_run):
 def test_report_compares_two_runs_on_one_figure(dumped_run, tmp_path, capsys):
     import shutil
 
-    from rl_trainer.metrics import read_metrics
-    from rl_trainer.report import build_figure
+    from rl_trainer.ops.metrics import read_metrics
+    from rl_trainer.ops.report import build_figure
 
     other = tmp_path / "other"
     other.mkdir()

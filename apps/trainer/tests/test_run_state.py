@@ -17,7 +17,7 @@ from rl_trainer.run_state import Counters, PhaseModels, RunState
 PACKAGE = Path(rl_trainer.__file__).parent
 
 DRIVER = "rl_trainer.loop"
-COMMANDS = {"rl_trainer.cli", "rl_trainer.replay", "rl_trainer.eval_only"}
+COMMANDS = {"rl_trainer.cli", "rl_trainer.ops.replay", "rl_trainer.ops.eval_only"}
 """The user-facing commands: the only modules above the driver (they build a ``Trainer``)."""
 
 
@@ -69,8 +69,13 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_state_types_import_nothing_from_the_step_or_the_driver(graph):
     below = _reach(graph, "rl_trainer.run_state")
-    above = {m for m in graph if m.startswith(("rl_trainer.phases", "rl_trainer.stages"))}
-    above |= {DRIVER, "rl_trainer.state", "rl_trainer.offload", "rl_trainer.lora"} | COMMANDS
+    above = {m for m in graph if m.startswith(("rl_trainer.phases", "rl_trainer.step.stages"))}
+    above |= {
+        DRIVER,
+        "rl_trainer.lifecycle.state",
+        "rl_trainer.step.offload",
+        "rl_trainer.step.lora",
+    } | COMMANDS
     assert not below & above, f"rl_trainer.run_state reaches {sorted(below & above)}"
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from rl_core.errors import ConfigError
-from rl_trainer import truncation
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
+from rl_trainer.step import truncation
 
 
 def _recipe(make, run_dir, **sampling):

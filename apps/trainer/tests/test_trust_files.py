@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rl_core.errors import CheckpointError, ConfigError
-from rl_trainer.checkpoint import (
+from rl_trainer.cli import main
+from rl_trainer.lifecycle.checkpoint import (
     MARKER,
     _write_manifest,
     capture_rng,
@@ -24,8 +25,7 @@ from rl_trainer.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from rl_trainer.cli import main
-from rl_trainer.eval_only import resolve_checkpoint
+from rl_trainer.ops.eval_only import resolve_checkpoint
 
 
 class _WritesMarker:
@@ -158,7 +158,7 @@ def evil_code(tmp_path) -> tuple[str, Path]:
 
 
 def test_a_dump_naming_code_is_inert(tmp_path, evil_code, tiny_recipe_dict, capsys):
-    from rl_trainer import dumps
+    from rl_trainer.ops import dumps
 
     ref, marker = evil_code
     config = tiny_recipe_dict(tmp_path / "orig", reward={"type": ref})
@@ -184,7 +184,7 @@ def test_a_dump_naming_code_is_inert(tmp_path, evil_code, tiny_recipe_dict, caps
 def test_eval_of_a_checkpoint_whose_config_names_code_is_refused(
     tmp_path, evil_code, tiny_recipe_dict
 ):
-    from rl_trainer.eval_only import eval_config
+    from rl_trainer.ops.eval_only import eval_config
 
     ref, marker = evil_code
     config = tiny_recipe_dict(tmp_path / "run", reward={"type": ref})

@@ -321,9 +321,11 @@ def test_session_errors(hf_gen, tok):
                 model="policy", messages=[{"role": "user", "content": "x"}]
             )
         server.open_session("e", sampling=SAMPLING)
-        with pytest.raises(openai.BadRequestError, match="stop"):
+        with pytest.raises(openai.BadRequestError, match="response_format"):
             await client("e").chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": "x"}], stop=["\n"]
+                model="policy",
+                messages=[{"role": "user", "content": "x"}],
+                response_format={"type": "json_object"},
             )
         with pytest.raises(openai.BadRequestError, match="messages"):
             await client("e").chat.completions.create(model="policy", messages=[])

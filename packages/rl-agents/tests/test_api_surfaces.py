@@ -248,7 +248,7 @@ def test_anthropic_errors_are_anthropic_errors(tok):
         for call in (
             lambda: an("nobody").messages.create(model="policy", max_tokens=4, messages=msgs),
             lambda: an("e").messages.create(
-                model="policy", max_tokens=4, messages=msgs, stop_sequences=["\n"]
+                model="policy", max_tokens=4, messages=msgs, tool_choice={"type": "any"}
             ),
             lambda: an("e").messages.create(
                 model="policy",
@@ -263,7 +263,7 @@ def test_anthropic_errors_are_anthropic_errors(tok):
 
     unknown, stop, image = _serve(Scripted(tok, ["x"]), tok, body)
     assert isinstance(unknown, anthropic.AuthenticationError) and "not open" in str(unknown)
-    assert isinstance(stop, anthropic.BadRequestError) and "stop_sequences" in str(stop)
+    assert isinstance(stop, anthropic.BadRequestError) and "tool_choice" in str(stop)
     assert isinstance(image, anthropic.BadRequestError) and "'image'" in str(image)
 
 
@@ -356,17 +356,17 @@ def test_responses_errors(tok):
         for kwargs in (
             {"input": "x", "previous_response_id": "resp_nope"},
             {"input": "x", "tools": [{"type": "web_search"}]},
-            {"input": [{"type": "reasoning", "summary": []}]},
+            {"input": "x", "tool_choice": "required"},
         ):
             with pytest.raises(openai.APIStatusError) as info:
                 await oa("e").responses.create(model="policy", **kwargs)
             errors.append(info.value)
         return errors
 
-    missing, builtin, reasoning = _serve(Scripted(tok, ["x"]), tok, body)
+    missing, builtin, required = _serve(Scripted(tok, ["x"]), tok, body)
     assert missing.status_code == 404 and "resp_nope" in str(missing)
     assert builtin.status_code == 400 and "function tools" in str(builtin)
-    assert reasoning.status_code == 400 and "'reasoning'" in str(reasoning)
+    assert required.status_code == 400 and "tool_choice" in str(required)
 
 
 # ------------------------------------------------------------------------------- sessions

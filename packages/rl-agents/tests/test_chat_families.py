@@ -124,3 +124,12 @@ def test_hermes_and_qwen3_coder_templates_are_transformers_own():
     qwen35 = next(v for k, v in fallbacks.items() if "qwen3_5" in k)
     assert FAMILIES["hermes"].template == qwen3
     assert FAMILIES["qwen3_coder"].template == qwen35
+
+
+def test_a_prompt_without_the_familys_anchor_is_not_read_as_the_message():
+    """A template that renders the assistant header differently from the family's anchor: the
+    prompt is not parsed as part of the message (only an open <think> is carried over)."""
+    call = FAMILIES["llama3"].parse('{"name": "f", "parameters": {}}', prompt="user: hi\nbot:\n")
+    assert [c.name for c in call.tool_calls] == ["f"] and call.content is None
+    thought = FAMILIES["hermes"].parse("plan</think>ok", prompt="user: hi\n<think>\n")
+    assert thought.reasoning == "plan" and thought.content == "ok"

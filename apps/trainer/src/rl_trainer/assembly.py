@@ -38,7 +38,7 @@ from rl_trainer.build import (
     with_defaults,
 )
 from rl_trainer.config import TrainerConfig
-from rl_trainer.evaluation import EvalSet, build_eval_sets
+from rl_trainer.ops.evaluation import EvalSet, build_eval_sets
 from rl_trainer.rollout import GuardedFilter, Scorer
 
 __all__ = [
@@ -103,7 +103,7 @@ def assemble(cfg: TrainerConfig) -> Components:
     buffer = registry.build("buffer", cfg.buffer, field="buffer")
     validate_backends(cfg, model_path)
     if cfg.teacher is not None:
-        from rl_trainer.teacher import check_teacher_tokenizer
+        from rl_trainer.step.teacher import check_teacher_tokenizer
 
         check_teacher_tokenizer(cfg.teacher, tokenizer)
     if cfg.runtime.type == "ray":

@@ -14,7 +14,7 @@ the call instead of waiting for it:
   by that timeout alone.
 
 A call is also abandoned once it has run :data:`STOP_GRACE_S` after a stop signal
-(:func:`rl_trainer.stopping.stop_requested`), so SIGTERM stops a run whose reward hangs (calls
+(:func:`rl_trainer.lifecycle.stopping.stop_requested`), so SIGTERM stops a run whose reward hangs (calls
 still queued behind it run, each with the same grace). Limitation: an ``async`` function that blocks the
 event loop itself (``time.sleep`` inside ``async def``) cannot be interrupted by any of this.
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_trainer import stopping
+from rl_trainer.lifecycle import stopping
 
 __all__ = ["STOP_GRACE_S", "BoundedCaller", "CallAbandoned", "is_async"]
 

@@ -52,7 +52,7 @@ def init_model_path(cfg: TrainerConfig) -> str:
             TinyModelSpec, {"seed": cfg.seed, **(cfg.model.init or {})}, path="model.init"
         )
         build_tiny_model(path, spec)
-        from rl_trainer.checkpoint import match_umask
+        from rl_trainer.lifecycle.checkpoint import match_umask
 
         match_umask(path)  # safetensors writes 0600; the run's files share the umask's mode
     return str(path)

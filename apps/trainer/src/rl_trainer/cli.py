@@ -90,7 +90,7 @@ def _resume_command(args: argparse.Namespace) -> str:
 def _cmd_run(args: argparse.Namespace) -> int:
     from rl_trainer.config import load_trainer_config
     from rl_trainer.loop import Trainer
-    from rl_trainer.metrics import count_steps
+    from rl_trainer.ops.metrics import count_steps
 
     cfg = load_trainer_config(recipe_path(args.recipe), _overrides(args))
     t0 = time.perf_counter()
@@ -127,14 +127,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         return EXIT_STOPPED
     if not args.no_report:
-        from rl_trainer.report import write_report
+        from rl_trainer.ops.report import write_report
 
         print(f"report: {write_report(cfg.run_dir)}")
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from rl_trainer.report import write_comparison, write_report
+    from rl_trainer.ops.report import write_comparison, write_report
 
     if len(args.run_dirs) == 1:
         print(write_report(args.run_dirs[0], args.out))
@@ -144,7 +144,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from rl_trainer.replay import run_rollout_only
+    from rl_trainer.ops.replay import run_rollout_only
 
     records = run_rollout_only(recipe_path(args.recipe), _overrides(args))
     print(json.dumps({"rollout_steps": len(records)}))
@@ -152,7 +152,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from rl_trainer.replay import run_replay
+    from rl_trainer.ops.replay import run_replay
 
     recipe = recipe_path(args.recipe) if args.recipe else None
     trainer, _ = run_replay(args.dump_dir, recipe, args.set or [])
@@ -169,7 +169,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from rl_trainer.eval_only import run_eval
+    from rl_trainer.ops.eval_only import run_eval
 
     recipe = recipe_path(args.recipe) if args.recipe else None
     result = run_eval(args.checkpoint, recipe, args.set or [], out=args.out)
@@ -180,7 +180,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rl_trainer.checkpoint import convert_trainer_state
+    from rl_trainer.lifecycle.checkpoint import convert_trainer_state
 
     print(f"converted: {convert_trainer_state(Path(args.checkpoint), trust=args.trust)}")
     return 0

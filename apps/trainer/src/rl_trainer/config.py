@@ -158,7 +158,7 @@ class RolloutConfig:
     error naming the filters)."""
     dump_dir: str | None = None
     """Write every RL step's trained groups (tokens, masks, log-probs, versions, rewards and
-    components, advantages, routing) here (:mod:`rl_trainer.dumps`), for ``rl-train show``,
+    components, advantages, routing) here (:mod:`rl_trainer.ops.dumps`), for ``rl-train show``,
     ``rl-train replay`` and offline analysis; ``None``: no dumps."""
     routing_replay: Literal["off", "record", "replay"] = "off"
     """Mixture-of-experts routing replay (R3). ``record``: the generator returns the experts it
@@ -220,7 +220,7 @@ class TeacherConfig:
     the per-token reverse KL ``logp_student - logp_teacher`` is subtracted from the advantage
     (``A_t = reward_weight * A_task_t - coef * (logp_student_t - logp_teacher_t)``, as slime
     and Tinker do). The teacher must share the student's tokenizer. See
-    :mod:`rl_trainer.teacher`."""
+    :mod:`rl_trainer.step.teacher`."""
 
     type: str = "hf"
     """Teacher backend: a policy backend by registry name (``hf``: the transformers reference
@@ -538,7 +538,7 @@ class RuntimeConfig:
     """Colocated layout, synchronous loop: keep the policy (critic, reference) offloaded while
     the generator runs; each step runs generate -> release generator memory -> onload -> train
     -> publish -> offload -> resume generator memory -> load weights and records
-    ``memory/<phase>_bytes`` (see :mod:`rl_trainer.offload`). What moves is the policy's
+    ``memory/<phase>_bytes`` (see :mod:`rl_trainer.step.offload`). What moves is the policy's
     ``offload`` setting. On the ``local`` runtime ``layout: colocated`` is the one process."""
     generate_timeout_s: PositiveFloat = 300.0
     """A generator call running longer than this counts as hung: the engine is killed, its

@@ -21,9 +21,9 @@ runtime::
 - :mod:`rl_trainer.assembly`: every component built from the config (and
   :mod:`rl_trainer.build`, the steps it shares with ``rl-train check``).
 - :mod:`rl_trainer.phases`: the phases in order (SFT warm-up, RL) and evaluation.
-- :mod:`rl_trainer.stages`: the RL step as stages (round, take, plan and pack, advantages,
+- :mod:`rl_trainer.step.stages`: the RL step as stages (round, take, plan and pack, advantages,
   train, publish).
-- :mod:`rl_trainer.state`: what checkpoints capture, and ``--resume``.
+- :mod:`rl_trainer.lifecycle.state`: what checkpoints capture, and ``--resume``.
 - :mod:`rl_trainer.ray`: the ``ray`` runtime, where the policy and the generators are actors
   behind proxies that implement the same interfaces, so the phases are unchanged.
 """
@@ -41,20 +41,20 @@ import numpy as np
 import torch
 
 from rl_core.config import to_dict
-from rl_trainer import state as trainer_state
 from rl_trainer.assembly import Components, assemble, thread_split
-from rl_trainer.checkpoint import run_dir_write_error
 from rl_trainer.config import TrainerConfig
-from rl_trainer.evaluation import EvalSet
 from rl_trainer.failures import FailureLog
-from rl_trainer.metrics import MetricsLogger
+from rl_trainer.lifecycle import state as trainer_state
+from rl_trainer.lifecycle.checkpoint import run_dir_write_error
+from rl_trainer.lifecycle.resume_check import data_digest
+from rl_trainer.lifecycle.rundir import RunLock, claim, write_config
+from rl_trainer.lifecycle.stopping import StopSignals
+from rl_trainer.ops.evaluation import EvalSet
+from rl_trainer.ops.metrics import MetricsLogger
+from rl_trainer.ops.sinks import build_sinks
 from rl_trainer.phases import rl as rl_phase
 from rl_trainer.phases import sft as sft_phase
-from rl_trainer.resume_check import data_digest
 from rl_trainer.run_state import Counters, DeviceHandover, PhaseModels, RunState
-from rl_trainer.rundir import RunLock, claim, write_config
-from rl_trainer.sinks import build_sinks
-from rl_trainer.stopping import StopSignals
 
 if TYPE_CHECKING:
     from rl_trainer.ray.runtime import RayRuntime
@@ -96,8 +96,8 @@ class Trainer:
     ) -> None:
         """``resume``: continue from the newest checkpoint; ``overwrite``: move an earlier run
         in ``run_dir`` aside instead of refusing; ``allow_changed``: fields ``--resume`` may
-        see changed (:mod:`rl_trainer.resume_check`); ``own_dir``: lock ``run_dir`` for this
-        run and refuse an earlier run there (:mod:`rl_trainer.rundir`; eval-only runs do not)."""
+        see changed (:mod:`rl_trainer.lifecycle.resume_check`); ``own_dir``: lock ``run_dir`` for this
+        run and refuse an earlier run there (:mod:`rl_trainer.lifecycle.rundir`; eval-only runs do not)."""
         self.config = config
         self.resume = resume
         self.allow_changed = tuple(allow_changed)
@@ -191,7 +191,7 @@ class Trainer:
 
     @property
     def handover(self) -> DeviceHandover | None:
-        """The colocated hand-over of device memory of the RL phase (:mod:`rl_trainer.offload`)."""
+        """The colocated hand-over of device memory of the RL phase (:mod:`rl_trainer.step.offload`)."""
         return self.run_state.handover
 
     @property

@@ -42,9 +42,9 @@ from rl_core.types import (
     RolloutStatus,
     SamplingParams,
 )
-from rl_trainer import stopping
 from rl_trainer.bounded import STOP_GRACE_S, BoundedCaller, CallAbandoned, is_async
 from rl_trainer.failures import Failure, FailureReasons, check_round
+from rl_trainer.lifecycle import stopping
 
 __all__ = [
     "GuardedFilter",

@@ -31,11 +31,11 @@ from rl_core.interfaces import Critic, Generator, Policy, Tokenizer, WeightTrans
 from rl_core.types import LogProbOutput, TrainBatch
 from rl_trainer.assembly import Components
 from rl_trainer.config import TrainerConfig
-from rl_trainer.evaluation import EvalSet
 from rl_trainer.failures import FailureLog
-from rl_trainer.metrics import MetricsLogger
-from rl_trainer.pipeline import RolloutPipeline
-from rl_trainer.stopping import StopSignals
+from rl_trainer.lifecycle.stopping import StopSignals
+from rl_trainer.ops.evaluation import EvalSet
+from rl_trainer.ops.metrics import MetricsLogger
+from rl_trainer.step.pipeline import RolloutPipeline
 
 if TYPE_CHECKING:  # the ray runtime imports Ray's modules: only its type here
     from rl_trainer.ray.runtime import RayRuntime
@@ -62,7 +62,7 @@ class LogProbModel(Protocol):
 
 
 class DeviceHandover(Protocol):
-    """The colocated hand-over of device memory (:class:`rl_trainer.offload.Handover`)."""
+    """The colocated hand-over of device memory (:class:`rl_trainer.step.offload.Handover`)."""
 
     enabled: bool
     """Whether the step runs the hand-over (``runtime.offload_policy``)."""
@@ -78,7 +78,7 @@ class DeviceHandover(Protocol):
 
 class RoundSource(Protocol):
     """Where the RL step's groups come from instead of generating them (``rl-train replay``:
-    :class:`rl_trainer.replay.ReplaySource`)."""
+    :class:`rl_trainer.ops.replay.ReplaySource`)."""
 
     def produce_round(self, run: RunState, step: int) -> dict[str, Any]:
         """Put step ``step``'s groups into ``run.parts.buffer``; returns the round metrics."""
@@ -99,7 +99,7 @@ class PhaseModels:
     critic: Critic | None = None
     """The value model (``critic``), else ``None``."""
     teacher: LogProbModel | None = None
-    """The frozen distillation teacher (``teacher``; :mod:`rl_trainer.teacher`), else ``None``."""
+    """The frozen distillation teacher (``teacher``; :mod:`rl_trainer.step.teacher`), else ``None``."""
 
     def offloadable(self) -> list[Any]:
         """The models that hold device memory of their own in this process: policy, critic,
@@ -167,7 +167,7 @@ class Counters:
 
 @dataclass
 class ResumePoint:
-    """What ``--resume`` read from a checkpoint (:func:`rl_trainer.state.restore`)."""
+    """What ``--resume`` read from a checkpoint (:func:`rl_trainer.lifecycle.state.restore`)."""
 
     checkpoint: Path | None = None
     """The checkpoint whose models the next phase loads (``None`` once loaded, or fresh)."""
@@ -194,7 +194,7 @@ class RunState:
     data_digest: dict[str, str]
     """Content digests of the data files the run reads (checked by ``--resume``)."""
     allow_changed: tuple[str, ...] = ()
-    """Fields ``--resume`` may see changed (:mod:`rl_trainer.resume_check`)."""
+    """Fields ``--resume`` may see changed (:mod:`rl_trainer.lifecycle.resume_check`)."""
     models: PhaseModels = field(default_factory=PhaseModels)
     """The models of the current phase."""
     sync: WeightSync = field(default_factory=WeightSync)
@@ -210,13 +210,13 @@ class RunState:
     train_thread: concurrent.futures.ThreadPoolExecutor | None = None
     """The thread the policy trains in while the pipeline generates (async mode)."""
     handover: DeviceHandover | None = None
-    """The colocated hand-over of device memory (:mod:`rl_trainer.offload`), RL phase."""
+    """The colocated hand-over of device memory (:mod:`rl_trainer.step.offload`), RL phase."""
     replay: RoundSource | None = None
-    """A :class:`~rl_trainer.replay.ReplaySource` when the rounds come from a dump
+    """A :class:`~rl_trainer.ops.replay.ReplaySource` when the rounds come from a dump
     (``rl-train replay``), else ``None``."""
     resumable_generator: ResumableGenerator | None = None
     """The generator a custom ``generate_fn`` gets with partial rollouts
-    (:func:`rl_trainer.stages.resumable_generator`), else ``None``."""
+    (:func:`rl_trainer.step.stages.resumable_generator`), else ``None``."""
     metrics: MetricsLogger | None = None
     """The metrics logger (set while the run runs)."""
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -284,7 +284,7 @@ class RunState:
         self.metrics.log(rec, global_step=int(rec["global_step"]))
 
     def log_samples(self, step: int, lines: list[dict[str, Any]]) -> None:
-        """Write sample trace ``lines`` of RL step ``step`` (:mod:`rl_trainer.samples`), each
+        """Write sample trace ``lines`` of RL step ``step`` (:mod:`rl_trainer.ops.samples`), each
         labelled with its ``global_step`` too."""
         if self.metrics is None:
             raise RLError("RunState.log_samples: call it from a phase, inside Trainer.run().")

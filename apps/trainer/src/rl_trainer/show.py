@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.errors import DataError
-from rl_trainer.samples import read_samples
+from rl_trainer.ops.samples import read_samples
 
 __all__ = ["MISMATCH_WARN", "show_samples"]
 

@@ -25,8 +25,34 @@ header, the bearer token (``Authorization: Bearer <id>``, the OpenAI client's ``
 gets HTTP 401, so a stray client cannot inject training data. A finished session gets 404.
 Concurrent agents each use their own id, and each turn is recorded only in its own session.
 
-Models. Requests name the model ``Config.model_name`` (or one of ``Config.model_aliases``, or
-none); any other name gets HTTP 404 ``model_not_found`` naming the served one.
+Models and adapters. Requests name the model ``Config.model_name`` (or one of
+``Config.model_aliases``, or none): the generator's default weights. A request naming one of
+``Config.adapters`` generates with that LoRA adapter (``GenerationRequest.adapter``: HFGenerator
+and SGLangGenerator pick the adapter per request) and the trajectories it makes carry the name
+in ``metadata[SEQUENCE_ADAPTER_KEY]``, so the trainer trains that adapter: one agent program can
+train one adapter per role. A request continuing a conversation another adapter generated is
+refused (a trajectory trains one adapter). Any other name gets HTTP 404 ``model_not_found``
+listing the served names (``GET /v1/models`` lists them too).
+
+Model families. Tool calls and reasoning are parsed in the format of the model's family
+(``Config.chat.family``, :mod:`rl_agents.parsers`). Reasoning is returned to the client
+(``reasoning_content``, ``thinking`` blocks, Responses ``reasoning`` items); its tokens are
+sampled tokens of the trajectory like any other. A client's reasoning switch (Anthropic
+``thinking``, OpenAI ``reasoning_effort``, Responses ``reasoning``) sets the chat template's
+switch (``enable_thinking`` / ``thinking``); with a template that has none, asking for
+reasoning is refused with HTTP 400 naming the field.
+
+Stop strings (OpenAI ``stop``, Anthropic ``stop_sequences``) are applied to the completion the
+engine returns (the engine stops on token ids only): the tokens are cut after the first token
+that completes a stop string (those are the tokens recorded and trained), and the text returned
+ends before the stop string.
+
+Disconnects. A client that disconnects while its completion is generated aborts it (the engine's
+``abort`` when it has one; otherwise the result is dropped) and the turn is not recorded.
+
+Streaming is emulated: the generator interface returns whole results
+(:meth:`~rl_core.interfaces.Generator.generate` has no token stream), so a streamed response is
+sent once the completion is generated, as the events of each API.
 
 Prompt length. A request's prompt is refused with HTTP 400 ``context_length_exceeded`` naming
 the limit when it holds as many tokens as the context allows: ``Config.max_context_tokens`` or
@@ -61,7 +87,14 @@ from rl_agents.session import Session, TurnRecord
 from rl_core.config import Port, PositiveInt
 from rl_core.errors import ConfigError, DataError, GenerationError, RLError
 from rl_core.interfaces import Generator, Tokenizer
-from rl_core.types import FinishReason, GenerationRequest, Rollout, SamplingParams
+from rl_core.lora import SEQUENCE_ADAPTER_KEY
+from rl_core.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    Rollout,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -86,6 +119,10 @@ class AgentServer:
         model (not in ``model_aliases``) gets HTTP 404 naming this one."""
         model_aliases: tuple[str, ...] = ()
         """Other model names requests may use (agents with a hard-coded model name)."""
+        adapters: tuple[str, ...] = ()
+        """LoRA adapters served as models: a request whose ``model`` names one generates with
+        it and its trajectories are tagged to train it (see the module docstring). The
+        generator must have them loaded (an adapter-only weight update per name)."""
         client_sampling: bool = False
         """Let clients set temperature/top_p (off: the session's sampling is used, so log-probs
         are the trained policy's at the training temperature)."""
@@ -113,6 +150,19 @@ class AgentServer:
                     f"{self.model_aliases!r}."
                 )
             object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+            if isinstance(self.adapters, str) or not all(
+                isinstance(a, str) and a for a in self.adapters
+            ):
+                raise ConfigError(
+                    f"agents.adapters: expected a list of adapter names, got {self.adapters!r}."
+                )
+            object.__setattr__(self, "adapters", tuple(self.adapters))
+            clash = set(self.adapters) & {self.model_name, *self.model_aliases}
+            if clash:
+                raise ConfigError(
+                    f"agents.adapters: {sorted(clash)} also named as model_name/model_aliases; "
+                    "an adapter needs a name of its own."
+                )
 
     def __init__(self, config: Config, *, generator: Generator, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -122,6 +172,7 @@ class AgentServer:
         self.sessions: dict[str, Session] = {}
         """Open sessions by id."""
         self._finished: set[str] = set()
+        self._turn_adapters: dict[str, list[str | None]] = {}
         self._runner: Any = None
         self._port: int | None = None
         model_ctx = _model_context(generator)
@@ -175,6 +226,12 @@ class AgentServer:
         return self.config.model_name
 
     @property
+    def served_models(self) -> tuple[str, ...]:
+        """Every model name a request may use: the model, its aliases and the adapters."""
+        c = self.config
+        return (c.model_name, *c.model_aliases, *c.adapters)
+
+    @property
     def root_url(self) -> str:
         """``http://host:port``, the Anthropic client's ``base_url`` (it appends ``/v1``)."""
         if self._port is None:
@@ -222,9 +279,16 @@ class AgentServer:
             raise DataError(f"agents: session {session_id!r} is not open.")
         s.closed = True
         self._finished.add(session_id)
-        return s.to_rollouts(
+        adapters = self._turn_adapters.pop(session_id, [])
+        rollouts = s.to_rollouts(
             prompt_uid, prompt_ids, reward=reward, failure=failure, metadata=metadata
         )
+        if s.turns and len(adapters) == len(s.turns):
+            for rollout, group in zip(rollouts, _trajectory_turns(s.turns), strict=True):
+                names = {adapters[i] for i in group}
+                if len(names) == 1 and None not in names:
+                    rollout.metadata[SEQUENCE_ADAPTER_KEY] = names.pop()
+        return rollouts
 
     # ----------------------------------------------------------------------------- handlers
     async def _handle_models(self, request: web.Request) -> web.StreamResponse:
@@ -234,12 +298,8 @@ class AgentServer:
             {
                 "object": "list",
                 "data": [
-                    {
-                        "id": self.config.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "rl",
-                    }
+                    {"id": name, "object": "model", "created": 0, "owned_by": "rl"}
+                    for name in (self.config.model_name, *self.config.adapters)
                 ],
             }
         )
@@ -275,29 +335,34 @@ class AgentServer:
         return s
 
     def check_model(self, name: Any) -> str | None:
-        """HTTP 404 naming the served model when a request names another one (a missing name
-        is the served one)."""
+        """The LoRA adapter a request's ``model`` names (``None``: the served model, one of its
+        aliases, or no name), or HTTP 404 listing the served names."""
         if name is None or name == "":
             return None
-        served = self.config.model_name
-        if name != served and name not in self.config.model_aliases:
-            also = f" (or {', '.join(map(repr, self.config.model_aliases))})" * bool(
-                self.config.model_aliases
-            )
-            raise HTTPError(
-                404,
-                f"model {name!r} is not served here; this server serves {served!r}{also}.",
-                "model_not_found",
-                "model",
-            )
-        return None
+        if name in self.config.adapters:
+            return str(name)
+        if name == self.config.model_name or name in self.config.model_aliases:
+            return None
+        raise HTTPError(
+            404,
+            f"model {name!r} is not served here; this server serves "
+            f"{', '.join(map(repr, self.served_models))}.",
+            "model_not_found",
+            "model",
+        )
 
-    def _prompt(self, s: Session, req: ChatRequest) -> tuple[str, tuple[int, ...], int | None]:
+    def _prompt(
+        self, s: Session, req: ChatRequest
+    ) -> tuple[str, tuple[int, ...], int | None, int | None]:
         """Render and tokenize ``req`` (run in a worker thread: the heavy part of a request).
-        Refuses a text that cannot fit the context by its size alone before tokenizing it."""
+        Refuses a text that cannot fit the context by its size alone before tokenizing it.
+        Returns the text, its ids, the turn it continues and the turn rendered back
+        differently (``None`` each when there is none)."""
         try:
             text = self.chat.render(
-                s.substitute(req.messages), req.tools if req.tools_enabled else None
+                s.substitute(req.messages),
+                req.tools if req.tools_enabled else None,
+                thinking=req.thinking,
             )
         except DataError as e:
             raise HTTPError(400, str(e), "invalid_messages", "messages") from None
@@ -314,8 +379,8 @@ class AgentServer:
                     "context_length_exceeded",
                     "messages",
                 )
-        ids, _ = s.prompt_ids(text, self.chat.encode)
-        return text, ids, s.rerendered(text)
+        ids, continued = s.prompt_ids(text, self.chat.encode)
+        return text, ids, continued, s.rerendered(text)
 
     def _sampling(self, s: Session, req: ChatRequest) -> SamplingParams:
         sp = s.sampling
@@ -333,18 +398,42 @@ class AgentServer:
             sp = dataclasses.replace(sp, seed=(seed * 1_000_003 + len(s.turns)) & 0x7FFFFFFF)
         return sp
 
-    async def complete(self, s: Session, req: ChatRequest) -> Completion:
+    async def complete(
+        self, s: Session, req: ChatRequest, request: web.Request | None = None
+    ) -> Completion:
         """Render ``req`` with the chat template, generate, record the turn in session ``s``
-        and return it. Raises :class:`~rl_agents.api.common.HTTPError` for a bad request."""
+        and return it. A disconnect of ``request``'s client aborts the generation. Raises
+        :class:`~rl_agents.api.common.HTTPError` for a bad request."""
         if s.max_turns is not None and len(s.turns) >= s.max_turns:
             raise HTTPError(
                 400, f"session {s.id!r} reached max_turns={s.max_turns}", "max_turns_reached"
             )
+        if req.thinking and self.chat.thinking_switch is None:
+            raise HTTPError(
+                400,
+                "thinking: this model's chat template has no reasoning switch (enable_thinking "
+                "or thinking); omit the reasoning parameter or turn it off",
+                "unsupported",
+                "thinking",
+            )
         sampling = self._sampling(s, req)
         loop = asyncio.get_running_loop()
-        text, ids, rerendered = await loop.run_in_executor(
+        text, ids, continued, rerendered = await loop.run_in_executor(
             None, functools.partial(self._prompt, s, req)
         )
+        adapters = self._turn_adapters.setdefault(s.id, [])
+        if continued is not None and continued < len(adapters):
+            before = adapters[continued]
+            if before != req.adapter:
+                raise HTTPError(
+                    400,
+                    f"model: this conversation was generated by "
+                    f"{before or self.config.model_name!r} and continues with "
+                    f"{req.adapter or self.config.model_name!r}; a trajectory trains one "
+                    "adapter, so keep each role's conversation on its own model",
+                    "adapter_mismatch",
+                    "model",
+                )
         limit = s.max_context_tokens
         if limit is not None:
             if len(ids) >= limit:
@@ -358,25 +447,30 @@ class AgentServer:
             sampling = dataclasses.replace(
                 sampling, max_new_tokens=min(sampling.max_new_tokens, limit - len(ids))
             )
-        request = GenerationRequest(
+        gen_request = GenerationRequest(
             request_id=f"{s.id}/{len(s.turns)}/{uuid.uuid4().hex[:8]}",
             input_ids=ids,
             sampling=sampling,
             return_routing=s.return_routing,
+            adapter=req.adapter,
         )
         try:
-            (result,) = await self.generator.generate([request])
+            result = await self._generate(gen_request, request)
         except (DataError, ValueError) as e:  # the request itself is bad (e.g. too long)
             raise HTTPError(400, f"generation failed: {e}", "generation_failed") from None
         except (GenerationError, RLError) as e:  # the engine failed: retryable for the client
             raise HTTPError(503, f"engine error: {e}", "engine_error") from None
+        result, stop_at = self._apply_stop(result, req.stop, len(ids))
         out = list(result.output_ids)
         dec = self.tokenizer.decode
         output_text = dec(out, skip_special_tokens=False)
-        body_ids = out[:-1] if result.finish_reason == FinishReason.STOP and out else out
+        ends_on_token = stop_at is None and result.finish_reason == FinishReason.STOP and bool(out)
+        body_ids = out[:-1] if ends_on_token else out
         raw = dec(body_ids, skip_special_tokens=False)
-        visible = dec(body_ids, skip_special_tokens=True)
-        parsed = ChatFormat.parse(visible, tools_enabled=req.tools_enabled)
+        shown = raw
+        if stop_at is not None:
+            shown = raw[: raw.find(stop_at)] if stop_at in raw else raw
+        parsed = self.chat.parse_completion(shown, prompt=text, tools_enabled=req.tools_enabled)
         turn = TurnRecord(
             prompt_ids=ids,
             result=result,
@@ -391,11 +485,111 @@ class AgentServer:
         if s.closed:  # finished while the engine was busy: serve, but do not record
             raise HTTPError(404, f"session {s.id!r} has finished.", "session_finished")
         s.turns.append(turn)
+        adapters.append(req.adapter)  # parallel to s.turns (no await between the two)
         if parsed.tool_calls:
             finish = "tool_calls"
         else:
             finish = "length" if result.finish_reason == FinishReason.LENGTH else "stop"
-        return Completion(turn=turn, parsed=parsed, prompt_tokens=len(ids), finish=finish)
+        return Completion(
+            turn=turn,
+            parsed=parsed,
+            prompt_tokens=len(ids),
+            finish=finish,
+            stop_sequence=stop_at,
+        )
+
+    async def _generate(
+        self, gen_request: GenerationRequest, request: web.Request | None
+    ) -> GenerationResult:
+        """Generate one request; when ``request``'s client disconnects first, abort it (the
+        generator's ``abort`` if it has one, else drop the result) and raise HTTP 499."""
+        task = asyncio.ensure_future(self.generator.generate([gen_request]))
+        if request is None:
+            (result,) = await task
+            return result
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not task.done() and _disconnected(request):
+                if getattr(self.generator, "supports_abort", False):
+                    await self.generator.abort([gen_request.request_id])
+                task.add_done_callback(_swallow)
+                raise HTTPError(
+                    499, "the client disconnected; generation aborted", "client_disconnected"
+                )
+        (result,) = task.result()
+        return result
+
+    def _apply_stop(
+        self, result: GenerationResult, stops: Sequence[str], prompt_len: int
+    ) -> tuple[GenerationResult, str | None]:
+        """``result`` cut after the first token that completes one of ``stops`` (the
+        shortest prefix whose text holds a stop string; finish reason ``stop``), and the stop
+        string met first; ``(result, None)`` when none occurs."""
+        if not stops:
+            return result, None
+        out = result.output_ids
+        dec = self.tokenizer.decode
+
+        def hit(k: int) -> str | None:
+            t = dec(list(out[:k]), skip_special_tokens=False)
+            found = [(t.find(x), x) for x in stops if x in t]
+            return min(found)[1] if found else None
+
+        if not out or hit(len(out)) is None:
+            return result, None
+        lo, hi = 1, len(out)  # the smallest k with a hit (a prefix's text only grows)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hit(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        routed = result.routed_experts
+        cut = dataclasses.replace(
+            result,
+            output_ids=tuple(out[:lo]),
+            output_logprobs=tuple(result.output_logprobs[:lo]),
+            finish_reason=FinishReason.STOP,
+            routed_experts=routed[: prompt_len + lo] if routed is not None else None,
+        )
+        return cut, hit(lo)
+
+
+_DISCONNECT_POLL_S = 0.05
+"""How often a request being generated checks that its client is still connected."""
+
+
+def _disconnected(request: web.Request) -> bool:
+    """The client of ``request`` has closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _swallow(task: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned generation's outcome so its exception is not logged as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _trajectory_turns(turns: Sequence[TurnRecord]) -> list[list[int]]:
+    """The turn indices of each trajectory :func:`rl_agents.session.linearize` makes of
+    ``turns``, in its order (the same rule: a turn extends the trajectory whose tokens are
+    the longest prefix of its prompt ids, else starts one)."""
+    held: list[tuple[int, ...]] = []
+    groups: list[list[int]] = []
+    for i, t in enumerate(turns):
+        best = None
+        for g, h in enumerate(held):
+            extends = len(h) <= len(t.prompt_ids) and t.prompt_ids[: len(h)] == h
+            if extends and (best is None or len(h) > len(held[best])):
+                best = g
+        if best is None:
+            held.append(())
+            groups.append([])
+            best = len(held) - 1
+        held[best] = t.prompt_ids + tuple(t.result.output_ids)
+        groups[best].append(i)
+    return groups
 
 
 def _model_context(generator: Generator) -> int | None:

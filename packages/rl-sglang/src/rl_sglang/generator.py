@@ -35,7 +35,7 @@ sampled token *before* truncation (its ``SGLANG_RETURN_ORIGINAL_LOGPROB`` env sw
 pre-temperature values; 0.5.x has no option for the renormalised, post-top-p values), so
 ``truncated_logprobs`` stays false: under truncated sampling these sit ``log S`` (the kept mass)
 below the trainer's top-p-aware log-probs, and rl-train refuses a mismatch correction against them
-(:mod:`rl_trainer.truncation`).
+(:mod:`rl_trainer.step.truncation`).
 
 Seeds: SGLang honours ``sampling_seed`` only with ``--enable-deterministic-inference``, which
 needs a GPU attention backend; on CPU, seeded requests are sent with their seed but sampling is

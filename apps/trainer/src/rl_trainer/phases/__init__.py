@@ -9,6 +9,6 @@ an entry in :func:`rl_trainer.loop.phases_for`, not a branch in the driver.
 
 - :mod:`~rl_trainer.phases.sft`: the SFT warm-up on the training labels, or with
   ``mode: sft`` the whole run on chat data (:mod:`~rl_trainer.phases.chat_sft`).
-- :mod:`~rl_trainer.phases.rl`: the RL phase (its steps are :mod:`rl_trainer.stages`).
+- :mod:`~rl_trainer.phases.rl`: the RL phase (its steps are :mod:`rl_trainer.step.stages`).
 - :mod:`~rl_trainer.phases.eval`: evaluation, called by the RL phase on schedule.
 """

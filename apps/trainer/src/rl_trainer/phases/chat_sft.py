@@ -19,7 +19,7 @@ is encoded separately, so the mask is exact by construction.
 
 The step loop, checkpoints and resume are the warm-up's (:mod:`rl_trainer.phases.sft`): ``sft.steps``
 steps of ``sft.batch_size`` conversations, packed into micro-batches of at most
-``rl.max_tokens_per_micro_batch`` tokens (:func:`rl_trainer.packing.plan_and_pack`), with the
+``rl.max_tokens_per_micro_batch`` tokens (:func:`rl_trainer.step.packing.plan_and_pack`), with the
 policy's learning rate (or ``sft.lr``). ``eval/loss`` (mean assistant-token NLL of
 ``data.eval``, at most ``eval.max_prompts`` conversations) is logged at step 0, every
 ``eval.every`` steps and at the last step; the final weights go to ``final_model``.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from rl_core import registry
 from rl_core.errors import DataError
 from rl_core.types import Prompt, Rollout
-from rl_trainer.packing import plan_and_pack
+from rl_trainer.step.packing import plan_and_pack
 
 if TYPE_CHECKING:
     from rl_trainer.config import TrainerConfig

@@ -1,12 +1,12 @@
 """Evaluation: sample and score every eval set due at a step, with the same prompts and seeds
-every time (:class:`~rl_trainer.evaluation.EvalSet`)."""
+every time (:class:`~rl_trainer.ops.evaluation.EvalSet`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from rl_trainer.rollout import RolloutStats
-from rl_trainer.stages import generate
+from rl_trainer.step.stages import generate
 
 if TYPE_CHECKING:
     from rl_trainer.run_state import RunState

@@ -1,9 +1,9 @@
 """The RL phase: build the policy, generator, reference, critic and weight transport from the
 RL start checkpoint (all at version 0), evaluate at step 0, then run the RL steps
-(:mod:`rl_trainer.stages`), evaluating and checkpointing on schedule.
+(:mod:`rl_trainer.step.stages`), evaluating and checkpointing on schedule.
 
 Synchronous (default): the round of step k runs right before step k trains. With
-``rl.async_generation`` the rounds run ahead in a producer task (:mod:`rl_trainer.pipeline`)
+``rl.async_generation`` the rounds run ahead in a producer task (:mod:`rl_trainer.step.pipeline`)
 while the policy trains in its own thread; the generator serves exactly the version
 ``max_staleness`` behind, so ``max_staleness = 0`` is the synchronous run (``rl.async_mode:
 continuous``: each round on the newest weights, the bound enforced per token at the take).
@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_trainer import lora, routing, samples, stages, truncation
-from rl_trainer import state as checkpoints
 from rl_trainer.assembly import (
     build_critic,
     build_generator,
@@ -31,11 +29,14 @@ from rl_trainer.assembly import (
     build_transports,
     thread_split,
 )
-from rl_trainer.offload import Handover
+from rl_trainer.lifecycle import state as checkpoints
+from rl_trainer.lifecycle.state import load_resumed_models
+from rl_trainer.ops import samples
 from rl_trainer.phases import eval as evaluation
-from rl_trainer.pipeline import RolloutPipeline, Weights
-from rl_trainer.state import load_resumed_models
-from rl_trainer.teacher import build_teacher
+from rl_trainer.step import lora, routing, stages, truncation
+from rl_trainer.step.offload import Handover
+from rl_trainer.step.pipeline import RolloutPipeline, Weights
+from rl_trainer.step.teacher import build_teacher
 
 if TYPE_CHECKING:
     from rl_trainer.run_state import RunState
@@ -99,7 +100,7 @@ async def start(run_state: RunState) -> bool:
     cfg, runtime = run_state.config, run_state.runtime
     start_path = run_state.rl_start_path()
     # The policies score tokens under the distribution the rollout samples from: its
-    # temperature and, when it truncates, its top-p / top-k set (rl_trainer.truncation).
+    # temperature and, when it truncates, its top-p / top-k set (rl_trainer.step.truncation).
     sampling = {
         "temperature": cfg.rollout.sampling.temperature or 1.0,
         **truncation.policy_overrides(cfg, cfg.policy),

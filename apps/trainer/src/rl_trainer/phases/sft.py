@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 from rl_core.algorithms import SFTLoss
 from rl_core.errors import RLError
 from rl_core.types import Prompt, Rollout
-from rl_trainer import lora
-from rl_trainer import state as checkpoints
 from rl_trainer.assembly import build_policy
-from rl_trainer.packing import plan_and_pack
+from rl_trainer.lifecycle import state as checkpoints
+from rl_trainer.lifecycle.state import load_resumed_models
 from rl_trainer.phases import chat_sft
-from rl_trainer.state import load_resumed_models
+from rl_trainer.step import lora
+from rl_trainer.step.packing import plan_and_pack
 
 if TYPE_CHECKING:
     from rl_trainer.run_state import RunState

@@ -29,7 +29,7 @@ class Colocation:
 
     async def release(self) -> None:
         """Release the engines' memory now (the colocated hand-over of
-        :mod:`rl_trainer.offload`); a no-op when disabled or already released."""
+        :mod:`rl_trainer.step.offload`); a no-op when disabled or already released."""
         if self.enabled and self.engines and not self.released:
             await asyncio.gather(*(e.release_memory.remote() for e in self.engines))
             self.released = True

@@ -171,8 +171,8 @@ class PolicyRank:
         self._on_model_thread(model.onload)
 
     def memory_sample(self, role: str) -> dict[str, int]:
-        """This rank's memory (:func:`rl_trainer.memory.memory_sample` of ``role``'s model)."""
-        from rl_trainer.memory import memory_sample
+        """This rank's memory (:func:`rl_trainer.step.memory.memory_sample` of ``role``'s model)."""
+        from rl_trainer.step.memory import memory_sample
 
         model = self.models[role]
         return memory_sample([model] if hasattr(model, "resident_storages") else [])
@@ -379,7 +379,7 @@ class _RankGroup:
         return self._first_of_each_replica(self._call(method, self.role, *args, per_rank=shards))
 
     def offload(self) -> None:
-        """Every rank offloads (colocated hand-over, :mod:`rl_trainer.offload`)."""
+        """Every rank offloads (colocated hand-over, :mod:`rl_trainer.step.offload`)."""
         self._call("offload", self.role)
 
     def onload(self) -> None:

@@ -8,14 +8,22 @@ the session. The request is turned into OpenAI chat messages (the server's canon
 ``system`` becomes the system message, an assistant message's ``tool_use`` blocks its tool
 calls (the ids are the server's own, so the completion that made them is rendered back
 exactly), a user message's ``tool_result`` blocks ``tool`` messages (in order, before the
-user's text). ``tool_choice`` ``none`` disables tools; ``auto``, ``any`` and ``tool`` leave the
-choice to the model (the engine cannot force a call). ``stop_sequences`` and non-text blocks
-(images, documents, thinking) are refused with HTTP 400.
+user's text). ``tool_choice`` ``none`` disables tools, ``auto`` leaves the choice to the
+model; ``any`` and ``tool`` are refused with HTTP 400 (the engine cannot force a call), as are
+non-text blocks (images, documents). ``stop_sequences`` are honoured (``stop_reason``
+``stop_sequence``, see :class:`~rl_agents.server.AgentServer`).
+
+Reasoning. ``thinking`` (``{"type": "enabled", "budget_tokens": N}`` or ``{"type":
+"disabled"}``) sets the chat template's reasoning switch (``budget_tokens`` is not enforced: the
+reasoning counts against ``max_tokens``); the model's reasoning comes back as a ``thinking``
+block before the text (``signature`` empty: nothing to verify), and ``thinking`` /
+``redacted_thinking`` blocks an agent sends back are skipped (the server renders the turn back
+from what the model wrote, reasoning included).
 
 Streaming is emulated like the chat surface: the completion is generated in full, then sent as
-``message_start``, one ``content_block_start`` / ``_delta`` (``text_delta`` or
-``input_json_delta``) / ``_stop`` per block, ``message_delta`` (stop reason, output tokens) and
-``message_stop``. A tool call whose arguments are not a JSON object is returned with its value
+``message_start``, one ``content_block_start`` / ``_delta`` (``thinking_delta``, ``text_delta``
+or ``input_json_delta``) / ``_stop`` per block, ``message_delta`` (stop reason, output tokens)
+and ``message_stop``. A tool call whose arguments are not a JSON object is returned with its value
 under ``input["value"]`` (Anthropic's ``input`` is always an object).
 """
 
@@ -35,6 +43,7 @@ from rl_agents.api.common import (
     positive_int,
     read_json,
     sse,
+    stop_strings,
     text_of,
 )
 
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["handle", "parse", "to_message"]
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_THINKING = {"enabled": True, "adaptive": True, "disabled": False}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 _PIECE = 16
 
@@ -57,15 +67,21 @@ def error_response(e: HTTPError) -> web.StreamResponse:
     return web.json_response(body, status=e.status)
 
 
-def parse(body: Mapping[str, Any]) -> ChatRequest:
-    """The canonical request of a Messages API body."""
-    if body.get("stop_sequences"):
-        raise HTTPError(
-            400,
-            "stop_sequences are not supported; the session's stop_token_ids apply",
-            "unsupported",
-            "stop_sequences",
-        )
+def parse(body: Mapping[str, Any], adapter: str | None = None) -> ChatRequest:
+    """The canonical request of a Messages API body (``adapter``: the one ``model`` names)."""
+    thinking = body.get("thinking")
+    switch = None
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+        if kind not in _THINKING:
+            raise HTTPError(
+                400,
+                "thinking: expected {'type': 'enabled', 'budget_tokens': N} or "
+                f"{{'type': 'disabled'}}, got {thinking!r}",
+                "invalid_value",
+                "thinking",
+            )
+        switch = _THINKING[kind]
     max_tokens = positive_int(body.get("max_tokens"), "max_tokens")
     if max_tokens is None:
         raise HTTPError(400, "max_tokens: field required", "invalid_value", "max_tokens")
@@ -82,6 +98,14 @@ def parse(body: Mapping[str, Any]) -> ChatRequest:
     if body.get("tools"):
         tools = [_tool(i, t) for i, t in enumerate(body["tools"])]
     choice = body.get("tool_choice") or {}
+    if isinstance(choice, Mapping) and choice.get("type") in ("any", "tool"):
+        raise HTTPError(
+            400,
+            f"tool_choice: {choice.get('type')!r} is not supported (the engine cannot force a "
+            "call); use 'auto' or 'none'",
+            "unsupported",
+            "tool_choice",
+        )
     metadata = body.get("metadata") or {}
     return ChatRequest(
         messages=messages,
@@ -92,6 +116,9 @@ def parse(body: Mapping[str, Any]) -> ChatRequest:
         temperature=number(body.get("temperature"), "temperature"),
         top_p=number(body.get("top_p"), "top_p"),
         seed=None,
+        adapter=adapter,
+        thinking=switch,
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
         user=str(metadata["user_id"])
         if isinstance(metadata, Mapping) and metadata.get("user_id")
         else None,
@@ -119,6 +146,8 @@ def _message(i: int, m: Any) -> list[dict[str, Any]]:
         at = f"{where}.content[{k}]"
         if kind == "text":
             texts.append(str(b.get("text", "")))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # rendered back from what the model wrote (Session.substitute)
         elif kind == "tool_use" and role == "assistant":
             args = json.dumps(b.get("input") or {}, ensure_ascii=False)
             fn = {"name": str(b.get("name", "")), "arguments": args}
@@ -175,6 +204,8 @@ def _input(arguments: str) -> dict[str, Any]:
 def to_message(done: Completion, model: str, msg_id: str) -> dict[str, Any]:
     """The Messages API response object of a completion."""
     blocks: list[dict[str, Any]] = []
+    if done.parsed.reasoning:
+        blocks.append({"type": "thinking", "thinking": done.parsed.reasoning, "signature": ""})
     if done.parsed.content:
         blocks.append({"type": "text", "text": done.parsed.content})
     for c in done.parsed.tool_calls:
@@ -187,8 +218,8 @@ def to_message(done: Completion, model: str, msg_id: str) -> dict[str, Any]:
         "role": "assistant",
         "model": model,
         "content": blocks,
-        "stop_reason": _STOP[done.finish],
-        "stop_sequence": None,
+        "stop_reason": "stop_sequence" if done.stop_sequence else _STOP[done.finish],
+        "stop_sequence": done.stop_sequence,
         "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
     }
 
@@ -197,10 +228,10 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one message (see the module docstring)."""
     try:
         body = await read_json(request)
-        server.check_model(body.get("model"))
-        req = parse(body)
+        adapter = server.check_model(body.get("model"))
+        req = parse(body, adapter)
         session = server.session_of(request, req.user)
-        done = await server.complete(session, req)
+        done = await server.complete(session, req, request)
     except HTTPError as e:
         return error_response(e)
     from aiohttp import web
@@ -222,7 +253,14 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     start["usage"] = {"input_tokens": done.prompt_tokens, "output_tokens": 0}
     await send("message_start", {"message": start})
     for i, block in enumerate(message["content"]):
-        if block["type"] == "text":
+        if block["type"] == "thinking":
+            head = {"type": "thinking", "thinking": "", "signature": ""}
+            await send("content_block_start", {"index": i, "content_block": head})
+            text = block["thinking"]
+            for j in range(0, len(text), _PIECE):
+                delta = {"type": "thinking_delta", "thinking": text[j : j + _PIECE]}
+                await send("content_block_delta", {"index": i, "delta": delta})
+        elif block["type"] == "text":
             await send(
                 "content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}
             )
@@ -239,7 +277,10 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     await send(
         "message_delta",
         {
-            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+            "delta": {
+                "stop_reason": message["stop_reason"],
+                "stop_sequence": message["stop_sequence"],
+            },
             "usage": {"output_tokens": done.completion_tokens},
         },
     )

@@ -1,10 +1,20 @@
 """OpenAI ``POST /v1/chat/completions`` (``stream`` true or false, ``tools``, ``tool_choice``
-``auto``/``none``, ``logprobs``, ``max_tokens``/``max_completion_tokens``, ``seed``).
+``auto``/``none``, ``logprobs``, ``max_tokens``/``max_completion_tokens``, ``seed``, ``stop``,
+``reasoning_effort``).
 
-``n`` > 1 and ``stop`` strings are refused with HTTP 400 (the engine stops on token ids; set the
-session's ``stop_token_ids``). Streaming is emulated: the completion is generated in full, then
-sent as server-sent events (role, content pieces, tool-call deltas, finish reason, an optional
-usage chunk, ``[DONE]``); the bytes a client assembles are those of the non-streaming response.
+The model's reasoning comes back as ``message.reasoning_content`` (``delta.reasoning_content``
+when streamed). ``reasoning_effort`` ``none``/``minimal`` turns the template's reasoning switch
+off, any other value on (see :class:`~rl_agents.server.AgentServer`). Parameters the server
+does not honour are refused with HTTP 400 naming the field, never ignored: ``n`` > 1,
+``tool_choice`` ``required`` or a named function (the engine cannot force a call),
+``response_format`` other than text, ``parallel_tool_calls: false``, ``logit_bias``,
+non-zero ``presence_penalty`` / ``frequency_penalty``, ``top_logprobs`` > 0, ``functions`` /
+``function_call``.
+
+Streaming is emulated (the generator returns whole completions): the completion is generated
+in full, then sent as server-sent events (role, reasoning and content pieces, tool-call deltas,
+finish reason, an optional usage chunk, ``[DONE]``); the bytes a client assembles are those of
+the non-streaming response.
 """
 
 from __future__ import annotations
@@ -22,7 +32,9 @@ from rl_agents.api.common import (
     number,
     positive_int,
     read_json,
+    refuse,
     sse,
+    stop_strings,
 )
 
 if TYPE_CHECKING:
@@ -42,16 +54,42 @@ def error_response(e: HTTPError) -> web.StreamResponse:
     return web.json_response({"error": err}, status=e.status)
 
 
-def parse(body: Mapping[str, Any]) -> ChatRequest:
-    """The canonical request of a chat-completions body."""
+_NO_REASONING = ("none", "minimal")
+
+
+def parse(body: Mapping[str, Any], adapter: str | None = None) -> ChatRequest:
+    """The canonical request of a chat-completions body (``adapter``: the one ``model``
+    names). Raises HTTP 400 naming a parameter the server does not honour."""
     if body.get("n", 1) not in (1, None):
-        raise HTTPError(400, "only n=1 is supported", "unsupported", "n")
-    if body.get("stop"):
+        raise HTTPError(400, "n: only n=1 is supported", "unsupported", "n")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
         raise HTTPError(
             400,
-            "stop strings are not supported; the session's stop_token_ids apply",
+            f"tool_choice: only 'auto' and 'none' are supported, got {choice!r} (the engine "
+            "cannot force a call)",
             "unsupported",
-            "stop",
+            "tool_choice",
+        )
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+        raise HTTPError(
+            400,
+            "response_format: only {'type': 'text'} is supported (no constrained decoding)",
+            "unsupported",
+            "response_format",
+        )
+    refuse(body, "parallel_tool_calls", "the model may make several calls", allowed=True)
+    refuse(body, "logit_bias", "sampling is the trainer's", allowed={})
+    refuse(body, "presence_penalty", "sampling is the trainer's", allowed=0)
+    refuse(body, "frequency_penalty", "sampling is the trainer's", allowed=0)
+    refuse(body, "top_logprobs", "only the sampled token's log-prob is returned", allowed=0)
+    refuse(body, "functions", "send tools instead")
+    refuse(body, "function_call", "send tool_choice instead")
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise HTTPError(
+            400, "reasoning_effort: expected a string", "invalid_value", "reasoning_effort"
         )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -62,11 +100,14 @@ def parse(body: Mapping[str, Any]) -> ChatRequest:
     return ChatRequest(
         messages=messages,
         tools=tools,
-        tools_enabled=bool(tools) and body.get("tool_choice", "auto") != "none",
+        tools_enabled=bool(tools) and choice != "none",
         max_tokens=positive_int(limit, "max_tokens"),
         temperature=number(body.get("temperature"), "temperature"),
         top_p=number(body.get("top_p"), "top_p"),
         seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
+        adapter=adapter,
+        thinking=None if effort is None else effort not in _NO_REASONING,
+        stop=stop_strings(body.get("stop"), "stop"),
     )
 
 
@@ -74,9 +115,9 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one chat completion (see the module docstring)."""
     try:
         body = await read_json(request)
-        server.check_model(body.get("model"))
+        adapter = server.check_model(body.get("model"))
         session = server.session_of(request, body.get("user"))
-        done = await server.complete(session, parse(body))
+        done = await server.complete(session, parse(body, adapter), request)
     except HTTPError as e:
         return error_response(e)
     return await _respond(server, request, body, done)
@@ -109,6 +150,8 @@ async def _respond(
     want_lp = bool(body.get("logprobs"))
     if not body.get("stream"):
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
         choice: dict[str, Any] = {
@@ -139,6 +182,9 @@ async def _respond(
         await resp.write(sse({**head, "choices": [choice]}))
 
     await send({"role": "assistant", "content": ""})
+    reasoning = parsed.reasoning or ""
+    for i in range(0, len(reasoning), STREAM_PIECE_CHARS):
+        await send({"reasoning_content": reasoning[i : i + STREAM_PIECE_CHARS]})
     content = parsed.content or ""
     for i in range(0, len(content), STREAM_PIECE_CHARS):
         await send({"content": content[i : i + STREAM_PIECE_CHARS]})

@@ -23,7 +23,9 @@ __all__ = [
     "number",
     "positive_int",
     "read_json",
+    "refuse",
     "sse",
+    "stop_strings",
     "text_of",
 ]
 
@@ -57,6 +59,14 @@ class ChatRequest:
     """Client seed (same rule)."""
     user: str | None = None
     """A session id given in the body (the last fallback of :meth:`AgentServer.session_of`)."""
+    adapter: str | None = None
+    """The LoRA adapter the request's ``model`` names (``None``: the base policy)."""
+    thinking: bool | None = None
+    """Reasoning asked on (``True``) or off (``False``) by the client (Anthropic ``thinking``,
+    OpenAI ``reasoning_effort`` / ``reasoning``); ``None``: the template's default."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the completion ends before the first one (OpenAI ``stop``, Anthropic
+    ``stop_sequences``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +81,8 @@ class Completion:
     """Prompt length in tokens."""
     finish: Literal["stop", "length", "tool_calls"]
     """Why it ended, in OpenAI chat terms (each surface maps it to its own)."""
+    stop_sequence: str | None = None
+    """The stop string that ended it (``None``: a stop token, the length, or a tool call)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -102,8 +114,11 @@ class Backend(Protocol):
         """The open session a request belongs to, or HTTP 401/404."""
         ...
 
-    async def complete(self, s: Session, req: ChatRequest) -> Completion:
-        """Render, generate and record one completion of session ``s``."""
+    async def complete(
+        self, s: Session, req: ChatRequest, request: web.Request | None = None
+    ) -> Completion:
+        """Render, generate and record one completion of session ``s`` (aborted when the
+        client of ``request`` disconnects)."""
         ...
 
 
@@ -146,6 +161,35 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str
     raise HTTPError(
         400, f"{where}: expected a string or a list of text parts", "invalid_value", where
     )
+
+
+def stop_strings(value: Any, name: str, limit: int = 4) -> tuple[str, ...]:
+    """A request's stop strings (a string or a list of at most ``limit`` non-empty strings),
+    or HTTP 400 naming ``name``."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or len(items) > limit
+        or not all(isinstance(x, str) and x for x in items)
+    ):
+        raise HTTPError(
+            400,
+            f"{name} must be a non-empty string or a list of at most {limit} non-empty strings, "
+            f"got {value!r}",
+            "invalid_value",
+            name,
+        )
+    return tuple(items)
+
+
+def refuse(body: Mapping[str, Any], name: str, why: str, allowed: Any = None) -> None:
+    """HTTP 400 naming field ``name`` when the body sets it (to anything but ``allowed``):
+    the server does not honour it, and says so instead of ignoring it."""
+    value = body.get(name)
+    if value is not None and value != allowed:
+        raise HTTPError(400, f"{name}: not supported by this server ({why})", "unsupported", name)
 
 
 def positive_int(value: Any, name: str) -> int | None:

@@ -8,13 +8,19 @@ becomes the system message, ``developer`` messages are system messages, consecut
 ``call_id`` is the server's own, so the completion that made them is rendered back exactly),
 and ``function_call_output`` items become ``tool`` messages. ``previous_response_id`` continues
 a response of the same session: its input and output come first (its ``instructions`` are not
-carried over, as in OpenAI's API). Built-in tools (web search, file search, ...), ``reasoning``
-items and non-text content are refused with HTTP 400.
+carried over, as in OpenAI's API). ``reasoning`` items an agent sends back are skipped (the
+server renders the turn back from what the model wrote, reasoning included). Built-in tools
+(web search, file search, ...), non-text content, ``tool_choice`` ``required`` or a named
+function (the engine cannot force a call), ``text.format`` other than text and
+``parallel_tool_calls: false`` are refused with HTTP 400 naming the field.
 
-The output holds a ``message`` item (when there is text) and one ``function_call`` item per
-call; ``status`` is ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
+``reasoning.effort`` ``none``/``minimal`` turns the chat template's reasoning switch off, any
+other value on (see :class:`~rl_agents.server.AgentServer`). The output holds a ``reasoning``
+item (the model's reasoning as ``reasoning_text`` content, when it wrote any), a ``message``
+item (when there is text) and one ``function_call`` item per call; ``status`` is ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
 when the engine hit its length limit. Streaming is emulated: ``response.created``,
-``response.in_progress``, per item ``response.output_item.added`` / text or argument deltas /
+``response.in_progress``, per item ``response.output_item.added`` / reasoning, text or argument
+deltas /
 ``...done`` events, then ``response.completed`` (or ``response.incomplete``).
 """
 
@@ -33,6 +39,7 @@ from rl_agents.api.common import (
     number,
     positive_int,
     read_json,
+    refuse,
     sse,
     text_of,
 )
@@ -54,9 +61,34 @@ def error_response(e: HTTPError) -> web.StreamResponse:
     return web.json_response({"error": err}, status=e.status)
 
 
-def parse(body: Mapping[str, Any], history: list[dict[str, Any]]) -> ChatRequest:
+def parse(
+    body: Mapping[str, Any], history: list[dict[str, Any]], adapter: str | None = None
+) -> ChatRequest:
     """The canonical request of a Responses API body; ``history`` is the conversation of
-    ``previous_response_id`` (empty without one)."""
+    ``previous_response_id`` (empty without one), ``adapter`` the one ``model`` names."""
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise HTTPError(
+            400,
+            f"tool_choice: only 'auto' and 'none' are supported, got {choice!r} (the engine "
+            "cannot force a call)",
+            "unsupported",
+            "tool_choice",
+        )
+    text_opts = body.get("text")
+    fmt = text_opts.get("format") if isinstance(text_opts, Mapping) else None
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+        raise HTTPError(
+            400,
+            "text.format: only {'type': 'text'} is supported (no constrained decoding)",
+            "unsupported",
+            "text.format",
+        )
+    refuse(body, "parallel_tool_calls", "the model may make several calls", allowed=True)
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
+    if reasoning is not None and not isinstance(reasoning, Mapping):
+        raise HTTPError(400, "reasoning: expected an object", "invalid_value", "reasoning")
     raw = body.get("input")
     items: list[Any]
     if isinstance(raw, str):
@@ -78,10 +110,12 @@ def parse(body: Mapping[str, Any], history: list[dict[str, Any]]) -> ChatRequest
     return ChatRequest(
         messages=messages,
         tools=tools,
-        tools_enabled=bool(tools) and body.get("tool_choice", "auto") != "none",
+        tools_enabled=bool(tools) and choice != "none",
         max_tokens=positive_int(body.get("max_output_tokens"), "max_output_tokens"),
         temperature=number(body.get("temperature"), "temperature"),
         top_p=number(body.get("top_p"), "top_p"),
+        adapter=adapter,
+        thinking=None if effort is None else effort not in ("none", "minimal"),
     )
 
 
@@ -110,6 +144,8 @@ def _item(i: int, item: Any, messages: list[dict[str, Any]]) -> None:
             last["tool_calls"] = [*(last.get("tool_calls") or []), call]
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "reasoning":
+        return  # rendered back from what the model wrote (Session.substitute)
     elif kind == "function_call_output":
         out = item.get("output")
         text = out if isinstance(out, str) else text_of(out, f"{where}.output", _TEXT_KINDS)
@@ -141,6 +177,16 @@ def _tool(i: int, t: Any) -> dict[str, Any]:
 def to_response(done: Completion, body: Mapping[str, Any], model: str, rid: str) -> dict[str, Any]:
     """The Responses API object of a completion."""
     output: list[dict[str, Any]] = []
+    if done.parsed.reasoning:
+        output.append(
+            {
+                "type": "reasoning",
+                "id": f"rs_{uuid.uuid4().hex}",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": done.parsed.reasoning}],
+                "status": "completed",
+            }
+        )
     if done.parsed.content:
         part = {"type": "output_text", "text": done.parsed.content, "annotations": []}
         output.append(
@@ -177,6 +223,7 @@ def to_response(done: Completion, body: Mapping[str, Any], model: str, rid: str)
         "previous_response_id": body.get("previous_response_id"),
         "max_output_tokens": body.get("max_output_tokens"),
         "parallel_tool_calls": True,
+        "reasoning": body.get("reasoning"),
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": list(body.get("tools") or []),
         "temperature": body.get("temperature"),
@@ -205,7 +252,7 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one response (see the module docstring)."""
     try:
         body = await read_json(request)
-        server.check_model(body.get("model"))
+        adapter = server.check_model(body.get("model"))
         user = body.get("user")
         session = server.session_of(request, user if isinstance(user, str) else None)
         prev = body.get("previous_response_id")
@@ -219,8 +266,8 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
                     "previous_response_id",
                 )
             history = session.responses[prev]
-        req = parse(body, history)
-        done = await server.complete(session, req)
+        req = parse(body, history, adapter)
+        done = await server.complete(session, req, request)
     except HTTPError as e:
         return error_response(e)
     from aiohttp import web
@@ -246,7 +293,19 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     await send("response.in_progress", {"response": pending})
     for n, item in enumerate(response["output"]):
         ids = {"item_id": item["id"], "output_index": n}
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            await send(
+                "response.output_item.added",
+                {"output_index": n, "item": {**item, "status": "in_progress", "content": []}},
+            )
+            text = item["content"][0]["text"]
+            for j in range(0, len(text), _PIECE):
+                await send(
+                    "response.reasoning_text.delta",
+                    {**ids, "content_index": 0, "delta": text[j : j + _PIECE]},
+                )
+            await send("response.reasoning_text.done", {**ids, "content_index": 0, "text": text})
+        elif item["type"] == "message":
             await send(
                 "response.output_item.added",
                 {"output_index": n, "item": {**item, "status": "in_progress", "content": []}},

@@ -253,6 +253,12 @@ class ResponseFormat:
         # after the calls would erase the text before them), so the closed regions are read
         # from its events instead.
         values: dict[str, list[Any]] = {"content": [], "reasoning_content": [], "tool_calls": []}
+        anchor = template["start_anchor"]
+        anchors = [anchor] if isinstance(anchor, str) else list(anchor)
+        if not any(a in prompt for a in anchors):
+            # The parser would read the whole prompt as the message; only say whether the
+            # prompt left the reasoning open.
+            prompt = "<think>\n" if opened else ""
         try:
             parser = ResponseParser(template, prefix=prompt)
             events = [*parser.initial_events, *parser.feed(text), *parser.finalize()[1]]

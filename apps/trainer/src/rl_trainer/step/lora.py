@@ -34,7 +34,7 @@ from rl_core.lora import SEQUENCE_ADAPTER_KEY, adapter_of, with_adapter
 from rl_core.types import Group, LogProbOutput, Prompt, TrainBatch
 
 if TYPE_CHECKING:
-    from rl_trainer.evaluation import EvalSet
+    from rl_trainer.ops.evaluation import EvalSet
     from rl_trainer.run_state import WeightSync
 
 __all__ = [

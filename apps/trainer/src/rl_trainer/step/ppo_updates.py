@@ -1,7 +1,7 @@
 """PPO epochs and mini-batches: several optimizer steps per rollout batch.
 
-The ``train`` stage (:func:`rl_trainer.stages.train`) builds one packed batch of the step's
-groups (:func:`rl_trainer.stages.rl_batch`): advantages (and GAE returns) over the whole batch,
+The ``train`` stage (:func:`rl_trainer.step.stages.train`) builds one packed batch of the step's
+groups (:func:`rl_trainer.step.stages.rl_batch`): advantages (and GAE returns) over the whole batch,
 so group baselines and batch whitening see every rollout, and the old log-probs (and critic
 values) of the policy before any update. This module then runs::
 
@@ -38,7 +38,7 @@ import torch
 
 from rl_core.errors import RLError
 from rl_core.types import Group, Rollout, TrainBatch
-from rl_trainer.packing import loss_weights, plan
+from rl_trainer.step.packing import loss_weights, plan
 
 if TYPE_CHECKING:
     from rl_trainer.assembly import Components

@@ -3,7 +3,7 @@
 With ``rollout.dump_dir`` set, each RL step writes the groups it trains on, in the order it
 trains on them, right after it takes them from the buffer. ``rl-train rollout`` writes the same
 files without training, and ``rl-train replay DUMP_DIR`` trains on them instead of generating
-(:mod:`rl_trainer.replay`).
+(:mod:`rl_trainer.ops.replay`).
 
 Format (``FORMAT_VERSION`` 1)::
 

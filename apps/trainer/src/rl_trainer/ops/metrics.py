@@ -1,6 +1,6 @@
 """Metrics sinks: ``<run_dir>/metrics.jsonl`` (one object per step), TensorBoard, a progress bar,
-and any extra :class:`MetricsSink` (Weights & Biases: :mod:`rl_trainer.wandb_sink`). Sample
-traces (:mod:`rl_trainer.samples`) go to ``<run_dir>/samples.jsonl``, TensorBoard text and the
+and any extra :class:`MetricsSink` (Weights & Biases: :mod:`rl_trainer.ops.wandb_sink`). Sample
+traces (:mod:`rl_trainer.ops.samples`) go to ``<run_dir>/samples.jsonl``, TensorBoard text and the
 extra sinks.
 
 Metric names are stable: ``rollout/*``, ``train/*``, ``perf/*``, ``eval/*``; every record has
@@ -48,7 +48,7 @@ class MetricsSink(Protocol):
         """Log one step's record (non-finite floats already ``None``) at global ``step``."""
 
     def log_samples(self, lines: Sequence[Mapping[str, Any]], *, step: int) -> None:
-        """Log the sample trace lines of global ``step`` (:mod:`rl_trainer.samples`)."""
+        """Log the sample trace lines of global ``step`` (:mod:`rl_trainer.ops.samples`)."""
 
     def close(self) -> None:
         """Flush and finish."""

@@ -1,13 +1,13 @@
 """Train-only and rollout-only runs: ``rl-train replay`` and ``rl-train rollout``.
 
 ``rl-train replay DUMP_DIR [RECIPE]`` trains on the groups a run dumped (``rollout.dump_dir``,
-:mod:`rl_trainer.dumps`) instead of generating them: each RL step puts the step's dumped groups
+:mod:`rl_trainer.ops.dumps`) instead of generating them: each RL step puts the step's dumped groups
 into the buffer in place of a rollout round, and the rest of the step (take, advantages, pack,
 train) is the ordinary one. Nothing is generated: the generator is :class:`ReplayGenerator`,
 which only records the weight version it was sent, and evaluation is off. On the same layout
 (world size, micro-batch cap, backend, dtype) the replayed run ends with bitwise the same weights
 as the run that wrote the dump. Without ``RECIPE`` the config is the one stored in the dump,
-provided it names no code to import (a dump is data anyone may send; :mod:`rl_trainer.trust`);
+provided it names no code to import (a dump is data anyone may send; :mod:`rl_trainer.lifecycle.trust`);
 with ``RECIPE`` its code references must be the ones the dump names.
 
 ``rl-train rollout RECIPE`` runs the rounds without training (data generation, serving
@@ -27,10 +27,10 @@ from rl_core.config import ComponentSpec, apply_overrides, to_dict
 from rl_core.errors import ConfigError, DataError, RLError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.types import GenerationRequest, GenerationResult, WeightUpdate
-from rl_trainer import dumps
 from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.lifecycle.trust import check_same_code, code_refs, refuse_stored_code
+from rl_trainer.ops import dumps
 from rl_trainer.run_state import RunState
-from rl_trainer.trust import check_same_code, code_refs, refuse_stored_code
 
 __all__ = [
     "ReplayGenerator",
@@ -39,7 +39,7 @@ __all__ = [
     "run_rollout_only",
 ]
 
-REPLAY_GENERATOR = "rl_trainer.replay:ReplayGenerator"
+REPLAY_GENERATOR = "rl_trainer.ops.replay:ReplayGenerator"
 """The generator type a replay runs with."""
 
 
@@ -71,7 +71,7 @@ class ReplayGenerator(Generator):
 
 class ReplaySource:
     """Feeds the dumped groups of ``dump_dir`` to an RL run in place of its rollout rounds
-    (:func:`rl_trainer.stages.produce_round` calls :meth:`produce_round`)."""
+    (:func:`rl_trainer.step.stages.produce_round` calls :meth:`produce_round`)."""
 
     def __init__(self, dump_dir: str | Path) -> None:
         self.dump_dir = Path(dump_dir)
@@ -168,10 +168,10 @@ def run_rollout_only(recipe: str | Path, overrides: Sequence[str]) -> list[dict[
     docstring); returns the records (also in ``<run_dir>/metrics.jsonl``)."""
     from rl_trainer.assembly import build_generator
     from rl_trainer.loop import Trainer
-    from rl_trainer.metrics import MetricsLogger
-    from rl_trainer.samples import after_take
-    from rl_trainer.sinks import build_sinks
-    from rl_trainer.stages import produce_round, take_groups
+    from rl_trainer.ops.metrics import MetricsLogger
+    from rl_trainer.ops.samples import after_take
+    from rl_trainer.ops.sinks import build_sinks
+    from rl_trainer.step.stages import produce_round, take_groups
 
     cfg = load_trainer_config(recipe, list(overrides))
     if cfg.sft.steps:

@@ -1,7 +1,7 @@
 """Plan and pack: the order, micro-batch and data-parallel bounds of a step's rollouts
 (FLOPs-balanced, under the token cap) and their packed batch, and the batch's per-token loss
-weights. Used by the RL step (:mod:`rl_trainer.stages`), its PPO mini-batches
-(:mod:`rl_trainer.ppo_updates`) and the SFT phase."""
+weights. Used by the RL step (:mod:`rl_trainer.step.stages`), its PPO mini-batches
+(:mod:`rl_trainer.step.ppo_updates`) and the SFT phase."""
 
 from __future__ import annotations
 

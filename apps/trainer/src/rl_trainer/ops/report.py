@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.errors import DataError
-from rl_trainer.metrics import read_metrics
+from rl_trainer.ops.metrics import read_metrics
 
 __all__ = ["PANELS", "STEP_TIME", "build_figure", "write_comparison", "write_report"]
 

@@ -31,7 +31,7 @@ version (:meth:`RolloutPipeline.catch_up` before each round), and stops only whi
 ``max_staleness`` produced rounds wait for the trainer (or while drained). Rounds are numbered
 on their own (a round may be dropped); :meth:`RolloutPipeline.next_round` hands out the oldest
 ready one. The staleness bound is then enforced per token when a step takes its groups
-(:func:`rl_trainer.stages.take_groups`): a group holding a token older than ``max_staleness``
+(:func:`rl_trainer.step.stages.take_groups`): a group holding a token older than ``max_staleness``
 RL steps is dropped and the step waits for the next round (never trained on, never
 regenerated: its prompt is spent, as a filtered group's is). Timeline with ``max_staleness = 1``
 and generation slower than training::

@@ -1,5 +1,5 @@
 """Memory of this process: its resident set size and the device bytes its models hold (the
-``memory/*`` metrics of the colocated hand-over, :mod:`rl_trainer.offload`, also measured in
+``memory/*`` metrics of the colocated hand-over, :mod:`rl_trainer.step.offload`, also measured in
 the ``ray`` runtime's policy ranks)."""
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from rl_core.algorithms import distillation_advantages
 from rl_core.config import ComponentSpec
 from rl_core.errors import ConfigError
 from rl_core.types import TrainBatch
-from rl_trainer import routing
 from rl_trainer.build import with_defaults
 from rl_trainer.config import TeacherConfig, TrainerConfig
+from rl_trainer.step import routing
 
 __all__ = ["build_teacher", "check_teacher_tokenizer", "distill"]
 

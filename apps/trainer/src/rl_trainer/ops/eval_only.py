@@ -1,10 +1,10 @@
 """``rl-train eval CHECKPOINT [RECIPE]``: the eval sets (reward, accuracy, pass@k, per-component
-means; :mod:`rl_trainer.evaluation`) on any checkpoint, without training.
+means; :mod:`rl_trainer.ops.evaluation`) on any checkpoint, without training.
 
 ``CHECKPOINT`` is a run's ``final_model``, one of its ``checkpoints/step_N`` directories, or any
 model directory the generator loads. The config is ``RECIPE`` when given, else the one the run
 stored in its checkpoints (``trainer_state.pt``) provided it names no code to import
-(:mod:`rl_trainer.trust`: a checkpoint is data anyone may send). Samples are drawn with the
+(:mod:`rl_trainer.lifecycle.trust`: a checkpoint is data anyone may send). Samples are drawn with the
 seeds of RL step 0, so two checkpoints of one run are evaluated on the same prompts with the
 same seeds.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from rl_core.config import apply_overrides, to_dict
 from rl_core.errors import CheckpointError, ConfigError
-from rl_trainer.checkpoint import latest_checkpoint, load_trainer_state
 from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.lifecycle.checkpoint import latest_checkpoint, load_trainer_state
 
 __all__ = ["resolve_checkpoint", "run_eval"]
 
@@ -67,7 +67,7 @@ def eval_config(
 
         data = load_config_file(recipe)
     elif stored is not None:
-        from rl_trainer.trust import refuse_stored_code
+        from rl_trainer.lifecycle.trust import refuse_stored_code
 
         refuse_stored_code(stored, ckpt, f"rl-train eval {ckpt} RECIPE")
         data = dict(stored)
@@ -103,9 +103,9 @@ def run_eval(
     ``checkpoint``, ``step``, ``wall_time_s`` and ``metrics`` (``eval/...``)."""
     from rl_trainer.assembly import build_generator
     from rl_trainer.loop import Trainer
-    from rl_trainer.metrics import MetricsLogger
+    from rl_trainer.ops.metrics import MetricsLogger
+    from rl_trainer.ops.sinks import build_sinks
     from rl_trainer.phases import eval as evaluation
-    from rl_trainer.sinks import build_sinks
 
     cfg, model_dir, step = eval_config(checkpoint, recipe, overrides)
     trainer = Trainer(cfg, own_dir=False)  # eval/<name>/ is re-evaluated in place

@@ -2,7 +2,7 @@
 
 :func:`after_take` runs in every RL step right after the step takes its groups from the buffer
 (before training): with ``rollout.dump_dir`` it writes the step's dump
-(:mod:`rl_trainer.dumps`), and every ``logging.samples_every`` steps it writes a trace of the
+(:mod:`rl_trainer.ops.dumps`), and every ``logging.samples_every`` steps it writes a trace of the
 first ``logging.samples_groups`` groups to ``<run_dir>/samples.jsonl`` and the metrics sinks
 (TensorBoard text, a W&B table).
 
@@ -33,8 +33,8 @@ from rl_core.batching import gather_response, pack_rollouts
 from rl_core.config import to_dict
 from rl_core.errors import DataError
 from rl_core.types import Group
-from rl_trainer import dumps
-from rl_trainer.stages import advantages as step_advantages
+from rl_trainer.ops import dumps
+from rl_trainer.step.stages import advantages as step_advantages
 
 if TYPE_CHECKING:
     from rl_trainer.run_state import RunState

@@ -1,7 +1,7 @@
 """The trainer's state in checkpoints: what a checkpoint captures besides the models, how it is
 written on schedule, and how ``--resume`` restores it.
 
-A checkpoint (:mod:`rl_trainer.checkpoint` writes and verifies it) holds the models with their
+A checkpoint (:mod:`rl_trainer.lifecycle.checkpoint` writes and verifies it) holds the models with their
 optimizers and ``trainer_state.pt``: the step counters, the policy version, the data, buffer,
 sampler and pipeline states, the RNG states, how many metric lines were written, and the
 config. :func:`save` writes one on schedule and :func:`stop` when a signal stops the run.
@@ -17,7 +17,7 @@ from typing import Any
 
 from rl_core.config import to_dict
 from rl_core.errors import CheckpointError, RLError
-from rl_trainer.checkpoint import (
+from rl_trainer.lifecycle.checkpoint import (
     capture_rng,
     latest_checkpoint,
     load_trainer_state,
@@ -25,10 +25,10 @@ from rl_trainer.checkpoint import (
     resume_checkpoint,
     write_checkpoint,
 )
-from rl_trainer.offload import onloaded
-from rl_trainer.resume_check import check_resume
+from rl_trainer.lifecycle.resume_check import check_resume
+from rl_trainer.lifecycle.rundir import config_text
 from rl_trainer.run_state import Counters, PhaseModels, ResumePoint, RunState
-from rl_trainer.rundir import config_text
+from rl_trainer.step.offload import onloaded
 
 __all__ = ["capture", "load_model", "load_resumed_models", "restore", "save", "stop"]
 
@@ -54,7 +54,7 @@ def capture(run: RunState, metrics_lines: int) -> dict[str, Any]:
 def save(run: RunState) -> None:
     """Write a checkpoint of ``run`` at its current step (models with optimizers, trainer
     state), keeping the newest ``checkpoint.keep``; the models are on the device while it is
-    written (:func:`rl_trainer.offload.onloaded`). Call it from a phase, inside
+    written (:func:`rl_trainer.step.offload.onloaded`). Call it from a phase, inside
     :meth:`Trainer.run() <rl_trainer.loop.Trainer.run>`."""
     if run.metrics is None:
         raise RLError("state.save: call it from a phase, inside Trainer.run().")

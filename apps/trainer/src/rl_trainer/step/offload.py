@@ -32,8 +32,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from rl_trainer.memory import memory_sample
 from rl_trainer.run_state import DeviceHandover, PhaseModels
+from rl_trainer.step.memory import memory_sample
 
 __all__ = ["PHASES", "Handover", "onloaded"]
 
@@ -112,7 +112,7 @@ class Handover:
     ) -> float:
         """After training: ``publish()`` the weights (it returns the update), offload the
         models, give the generator its memory back and ``load(update)``; returns the seconds
-        it took (:func:`rl_trainer.stages.publish_only` and :func:`~rl_trainer.stages.load_update`
+        it took (:func:`rl_trainer.step.stages.publish_only` and :func:`~rl_trainer.step.stages.load_update`
         are what the RL phase passes)."""
         self.measure("train", record)
         t0 = time.perf_counter()

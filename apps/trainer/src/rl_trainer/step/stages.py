@@ -4,17 +4,17 @@
                     runs it ahead in the pipeline)
     take_groups     buffer.take(P, min_version=version - max_staleness)    + staleness metrics
     plan_and_pack   FLOPs-balanced order, micro-batch and data-parallel bounds, packed batch
-                    (:mod:`rl_trainer.packing`)
+                    (:mod:`rl_trainer.step.packing`)
     rl_batch        + critic values -> rewards and advantages (GAE returns), loss weights,
                     reference / old log-probs
     train           policy.train_step (+ critic.train_step), once or per   + train metrics
-                    PPO epoch and mini-batch (:mod:`rl_trainer.ppo_updates`)
+                    PPO epoch and mini-batch (:mod:`rl_trainer.step.ppo_updates`)
     publish         transport.publish -> generator.update_weights          (checked version)
 
 The pure stages take their inputs as arguments; the ones that drive the run's components
 (``produce_round``, ``generate``, ``rl_batch``, ``train``, the publication) take the run's
 typed state (:class:`~rl_trainer.run_state.RunState`) that holds them. Planning and packing
-are :mod:`rl_trainer.packing`. A new stage (a teacher's log-probs, PPO epochs) is a function here called by
+are :mod:`rl_trainer.step.packing`. A new stage (a teacher's log-probs, PPO epochs) is a function here called by
 the RL phase (:mod:`rl_trainer.phases.rl`).
 """
 
@@ -33,11 +33,8 @@ from rl_core.batching import gather_response, scatter_response
 from rl_core.errors import RLError
 from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
-from rl_trainer import lora, ppo_updates, routing, teacher
 from rl_trainer.build import component_name
 from rl_trainer.failures import exhausted_error
-from rl_trainer.packing import loss_weights, plan_and_pack
-from rl_trainer.pipeline import Weights
 from rl_trainer.rollout import (
     PartialStats,
     RolloutStats,
@@ -45,6 +42,9 @@ from rl_trainer.rollout import (
     generate_groups,
     generate_groups_resumable,
 )
+from rl_trainer.step import lora, ppo_updates, routing, teacher
+from rl_trainer.step.packing import loss_weights, plan_and_pack
+from rl_trainer.step.pipeline import Weights
 
 if TYPE_CHECKING:
     from rl_trainer.run_state import RunState
@@ -129,7 +129,7 @@ async def produce_round(run: RunState, step: int) -> dict[str, Any]:
     User code that fails (reward, group reward, ``generate_fn``, filters) is counted in
     ``rollout/failed/<reason>`` and logged once per reason with its first cause; when every
     rollout of a round failed, the run stops at once with that report. In ``rl-train replay``
-    the round's groups come from the dump instead (:mod:`rl_trainer.replay`)."""
+    the round's groups come from the dump instead (:mod:`rl_trainer.ops.replay`)."""
     if run.replay is not None:
         return run.replay.produce_round(run, step)
     cfg, parts = run.config.rollout, run.parts
@@ -235,7 +235,7 @@ def round_metrics(
 ) -> dict[str, Any]:
     """A round's reward and response metrics (``rollout/*``) over every rollout of the round.
 
-    One convention with eval (:meth:`rl_trainer.evaluation.EvalSet.metrics`): a failed rollout
+    One convention with eval (:meth:`rl_trainer.ops.evaluation.EvalSet.metrics`): a failed rollout
     (its reward raised, hung, returned no number, or generation failed) scores 0 in
     ``rollout/reward_mean`` and ``rollout/reward_std``; ``rollout/failed_fraction`` is the
     share of the ``asked`` rollouts (default: those given) that failed, and
@@ -375,7 +375,7 @@ def rl_batch(
 ) -> TrainBatch:
     """The packed training batch of ``groups``: planned and packed, then critic values,
     advantages (and returns), loss weights, reference and old log-probs, and with a teacher
-    the distillation-shaped advantages (:mod:`rl_trainer.teacher`); stage metrics go into
+    the distillation-shaped advantages (:mod:`rl_trainer.step.teacher`); stage metrics go into
     ``metrics`` when given."""
     cfg = run.config
     alg = cfg.algorithm
@@ -428,7 +428,7 @@ def rl_batch(
 def train(run: RunState, groups: Sequence[Group]) -> dict[str, Any]:
     """Build the batch of ``groups`` (:func:`rl_batch`) and take one optimizer step of the
     policy (and the critic), or one per PPO epoch and mini-batch
-    (:func:`rl_trainer.ppo_updates.optimize`); returns the train metrics. Torch only: in async
+    (:func:`rl_trainer.step.ppo_updates.optimize`); returns the train metrics. Torch only: in async
     mode it runs in the trainer thread."""
     t0 = time.perf_counter()
     stage_record: dict[str, Any] = {}

@@ -3,7 +3,7 @@
 What a run sends: the whole config (``wandb.config``), every step record's numeric metrics at
 the run's global step (SFT and RL steps counted together, as on TensorBoard), a ``samples``
 table each time a sample trace is written (``logging.samples_every``,
-:mod:`rl_trainer.samples`), and at the end the PNG report (``report``). With ``mode: offline``
+:mod:`rl_trainer.ops.samples`), and at the end the PNG report (``report``). With ``mode: offline``
 nothing leaves the machine: the run is written under ``<dir>/wandb/offline-run-*`` and
 ``wandb sync`` uploads it later.
 
@@ -40,7 +40,7 @@ SAMPLE_COLUMNS = [
 
 
 class WandbSink:
-    """A :class:`~rl_trainer.metrics.MetricsSink` that logs to one W&B run."""
+    """A :class:`~rl_trainer.ops.metrics.MetricsSink` that logs to one W&B run."""
 
     def __init__(self, cfg: WandbConfig, *, config: TrainerConfig) -> None:
         try:
@@ -108,7 +108,7 @@ class WandbSink:
         """Log the PNG report of the run so far, then finish the W&B run."""
 
         def report() -> None:
-            from rl_trainer.report import write_report
+            from rl_trainer.ops.report import write_report
 
             if (self.run_dir / "metrics.jsonl").is_file():
                 path = write_report(self.run_dir)
