@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     from rl_tinker.config import ServiceConfig
     from rl_tinker.runner import serve_forever
 
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         data = load_config_file(args.config)
         if args.overrides:

@@ -117,6 +117,12 @@ class TinkerService:
             _HTTPError: 400 for a model the service does not serve.
         """
         key = name.split(":")[0]
+        if key not in self.config.models:  # the model's directory names it too (the cookbook
+            # uses one name for the tokenizer and the base model)
+            by_path = {
+                str(Path(p).expanduser().resolve()): k for k, p in self.config.models.items()
+            }
+            key = by_path.get(str(Path(name).expanduser().resolve()), key)
         if key not in self.config.models:
             raise _HTTPError(
                 400,
@@ -299,6 +305,11 @@ class TinkerService:
 
     async def h_heartbeat(self, request: Any) -> Any:
         return {"type": "session_heartbeat"}
+
+    async def h_finish_session(self, request: Any) -> Any:
+        """The SDK closing a session: its training clients' adapters stay until restart
+        (their checkpoints are on disk)."""
+        return {}
 
     async def h_telemetry(self, request: Any) -> Any:
         return {"status": "accepted"}
@@ -655,12 +666,19 @@ class TinkerService:
             ("GET", "samplers/{sampler_id}", self.h_get_sampler),
             ("POST", "asample", self.h_sample),
             ("POST", "retrieve_future", self.h_retrieve_future),
+            ("POST", "sessions/{session_id}/finish", self.h_finish_session),
             ("GET", "metrics", self.h_metrics),
         ]
         app = web.Application(client_max_size=256 * 1024**2, middlewares=[self._middleware])
         for method, path, handler in routes:
             app.router.add_route(method, f"/api/v1/{path}", handler)
+        app.router.add_route("*", "/{tail:.*}", self.h_unsupported)
         return app
+
+    async def h_unsupported(self, request: Any) -> Any:
+        """Any other route: 404 naming the endpoint (docs/service.md lists what is served)."""
+        log.warning("rl-tinker: unsupported endpoint %s %s", request.method, request.path)
+        raise _HTTPError(404, f"{request.method} {request.path} is not served by rl-tinker.")
 
     @property
     def _middleware(self) -> Any:
