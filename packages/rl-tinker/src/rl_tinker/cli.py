@@ -17,12 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. port=9000")
     args = parser.parse_args(argv)
 
+    import logging
+
     from rl_core.config import apply_overrides, from_dict, load_config_file
     from rl_core.errors import RLError
     from rl_tinker.config import ServiceConfig
     from rl_tinker.runner import serve_forever
-
-    import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
