@@ -83,11 +83,13 @@ def test_text_prompt_with_template_becomes_user_message(tmp_path, write_jsonl, c
     cfg = JsonlSource.Config(
         path=str(path), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False}
     )
-    (p,) = JsonlSource(cfg, char_tokenizer).next_prompts(1)
+    src = JsonlSource(cfg, char_tokenizer)
+    assert char_tokenizer.template_calls == [{"enable_thinking": False}]
+    (p,) = src.next_prompts(1)  # rendered again from the file when drawn
     assert p.token_ids == tuple(
         char_tokenizer.encode("<user>hi\n<nothink><assistant>", add_special_tokens=False)
     )
-    assert char_tokenizer.template_calls == [{"enable_thinking": False}]
+    assert char_tokenizer.template_calls == [{"enable_thinking": False}] * 2
     assert p.input == "hi"
 
 

@@ -54,7 +54,7 @@ def test_byte_order_mark_is_accepted(tmp_path, write_jsonl, char_tokenizer):
     mid = tmp_path / "mid.jsonl"
     mid.write_bytes(plain.read_bytes() + codecs.BOM_UTF8 + GOOD.encode() + b"\n")
     with pytest.raises(DataError, match=r"mid\.jsonl:6: malformed JSON \(Unexpected UTF-8 BOM"):
-        JsonlSource(JsonlSource.Config(path=str(mid)), char_tokenizer)
+        JsonlSource(JsonlSource.Config(path=str(mid), apply_chat_template=True), char_tokenizer)
 
 
 # -- chat roles ------------------------------------------------------------------------------
@@ -84,13 +84,13 @@ def test_unknown_role_skip_counts_and_logs(tmp_path, write_jsonl, char_tokenizer
     )
     with caplog.at_level(logging.WARNING):
         src = JsonlSource(cfg, char_tokenizer)
+    # the template never saw the skipped records (the source renders a record again when drawn)
+    assert len(char_tokenizer.template_calls) == 2
     assert [p.label for p in src.next_prompts(2)] == [0, 2]
     assert src.num_dropped_unknown_role == 2 and src.num_records == 4 and len(src) == 2
     assert src.stats()["data/skip/dropped_unknown_role"] == 2.0
     assert "skipped 2 of 4 records" in caplog.text and "data_source.chat_roles" in caplog.text
     assert "skip.jsonl:2 role 'narrator'" in caplog.text
-    # the template never saw the skipped records
-    assert len(char_tokenizer.template_calls) == 2
     # a role the template renders can be allowed
     cfg = JsonlSource.Config(
         path=str(path), apply_chat_template=True, chat_roles=("user", "system", "ipython")

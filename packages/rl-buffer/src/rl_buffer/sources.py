@@ -5,7 +5,11 @@ missing key raises :class:`~rl_core.errors.DataError` naming the file, line and 
 every prompt, and drops prompts longer than ``max_prompt_tokens`` (counted and logged, never
 truncated; when it is unset, the tokenizer's ``model_max_length`` is the limit if it has one).
 Draws then walk a per-epoch permutation seeded by ``(seed, epoch)``; the cursor (epoch, position)
-is the whole state, so resuming is exact::
+is the whole state, so resuming is exact. Parquet and ``datasets`` sources keep their prompts in
+memory; :class:`JsonlSource` keeps only an index (byte offset, length, line and row of each kept
+record: 28 bytes a row) and reads, parses and tokenizes a record again when it is drawn, so a
+file of millions of rows costs megabytes, not gigabytes (the file must not change while the
+source reads it; a change is a ``DataError``)::
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     src = JsonlSource(JsonlSource.Config(path="data/math.jsonl@[0:1000]",
@@ -31,12 +35,12 @@ type) is a ``DataError`` naming ``file:line`` (Parquet and ``datasets``: ``file:
 
 from __future__ import annotations
 
+import array
 import codecs
-import io
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -176,9 +180,10 @@ class FileSource(DataSource):
         """The length limit applied: ``max_prompt_tokens``, else the tokenizer's
         ``model_max_length`` when it has one, else ``None`` (no limit)."""
         self._rows: list[_Row] = []
+        self._kept = 0
         self._skipped_roles: list[str] = []
         too_long: list[str] = []
-        for row, where, record in self._read_records():
+        for row, where, record, locator in self._read_records():
             self.num_records += 1
             r = self._convert(row, where, record)
             if r is None:
@@ -189,7 +194,8 @@ class FileSource(DataSource):
                 if len(too_long) < 5:
                     too_long.append(f"{where} ({len(r.token_ids)} tokens)")
                 continue
-            self._rows.append(r)
+            self._keep(r, locator)
+            self._kept += 1
         if self.num_dropped_too_long:
             logger.warning(
                 "%s: dropped %d of %d prompts longer than %s (first: %s); raise "
@@ -211,7 +217,7 @@ class FileSource(DataSource):
                 list(config.chat_roles),
                 ", ".join(self._skipped_roles),
             )
-        if not self._rows:
+        if not self._kept:
             raise DataError(
                 f"{config.path}: no prompts left ({self.num_records} records read, "
                 f"{self.num_dropped_too_long} longer than {limit_name or 'max_prompt_tokens'}, "
@@ -248,9 +254,20 @@ class FileSource(DataSource):
             )
         return None, ""
 
-    def _read_records(self) -> Sequence[tuple[int, str, Any]]:
-        """``(row index, location for messages, record)`` for every record in the slice."""
+    def _read_records(self) -> Iterable[tuple[int, str, Any, Any]]:
+        """``(row index, location for messages, record, locator)`` for every record in the slice;
+        the locator is what :meth:`_keep` needs to find the record again (``None`` for sources
+        that keep their prompts in memory)."""
         raise NotImplementedError
+
+    def _keep(self, row: _Row, locator: Any) -> None:
+        """Keep a prompt that passed the filters (in memory; :class:`JsonlSource` keeps its
+        locator instead)."""
+        self._rows.append(row)
+
+    def _rows_at(self, indices: Sequence[int]) -> list[_Row]:
+        """The kept prompts at ``indices`` (positions among the kept prompts)."""
+        return [self._rows[i] for i in indices]
 
     def _get(self, record: Any, key: str, where: str, option: str) -> Any:
         if not isinstance(record, Mapping):
@@ -368,7 +385,7 @@ class FileSource(DataSource):
     # -- drawing ---------------------------------------------------------------------------
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        order = np.arange(len(self._rows))
+        order = np.arange(self._kept)
         if self.config.shuffle:
             np.random.default_rng([self.config.seed, epoch]).shuffle(order)
         return order
@@ -380,29 +397,33 @@ class FileSource(DataSource):
         """
         if n < 0:
             raise ValueError(f"next_prompts: n must be >= 0, got {n}.")
-        out: list[Prompt] = []
-        while len(out) < n:
-            if self._pos == len(self._rows):
+        epochs: list[int] = []
+        indices: list[int] = []
+        while len(indices) < n:
+            if self._pos == self._kept:
                 self._epoch += 1
                 self._pos = 0
                 self._order = self._epoch_order(self._epoch)
-            r = self._rows[int(self._order[self._pos])]
+            epochs.append(self._epoch)
+            indices.append(int(self._order[self._pos]))
             self._pos += 1
+        out: list[Prompt] = []
+        for epoch, r in zip(epochs, self._rows_at(indices)):
             inp = r.input if isinstance(r.input, str) else [dict(m) for m in r.input]
             out.append(
                 Prompt(
-                    uid=f"{self.name}:{self._epoch}:{r.row}",
+                    uid=f"{self.name}:{epoch}:{r.row}",
                     input=inp,
                     token_ids=r.token_ids,
                     label=r.label,
-                    metadata={**r.metadata, "epoch": self._epoch},
+                    metadata={**r.metadata, "epoch": epoch},
                 )
             )
         return out
 
     def __len__(self) -> int:
         """Prompts per epoch (records kept after the length filter)."""
-        return len(self._rows)
+        return self._kept
 
     @property
     def epoch(self) -> int:
@@ -415,7 +436,7 @@ class FileSource(DataSource):
         p = f"data/{self.name}"
         return {
             f"{p}/records": float(self.num_records),
-            f"{p}/prompts": float(len(self._rows)),
+            f"{p}/prompts": float(self._kept),
             f"{p}/dropped_too_long": float(self.num_dropped_too_long),
             f"{p}/dropped_unknown_role": float(self.num_dropped_unknown_role),
             f"{p}/epoch": float(self._epoch),
@@ -427,7 +448,7 @@ class FileSource(DataSource):
             "name": self.name,
             "epoch": self._epoch,
             "position": self._pos,
-            "num_prompts": len(self._rows),
+            "num_prompts": self._kept,
             "seed": self.config.seed,
         }
 
@@ -439,13 +460,13 @@ class FileSource(DataSource):
                 f"data source {self.name!r}: state lacks {missing}; it is not a "
                 f"{type(self).__name__} cursor."
             )
-        if state["name"] != self.name or state["num_prompts"] != len(self._rows):
+        if state["name"] != self.name or state["num_prompts"] != self._kept:
             raise CheckpointError(
                 f"data source {self.name!r}: the checkpoint is for source {state['name']!r} with "
-                f"{state['num_prompts']} prompts, but this one has {len(self._rows)}; the data "
+                f"{state['num_prompts']} prompts, but this one has {self._kept}; the data "
                 "or its slice/filters changed since the checkpoint. Restore the same data."
             )
-        if not 0 <= int(state["position"]) <= len(self._rows) or int(state["epoch"]) < 0:
+        if not 0 <= int(state["position"]) <= self._kept or int(state["epoch"]) < 0:
             raise CheckpointError(f"data source {self.name!r}: cursor out of range: {dict(state)}.")
         self._epoch = int(state["epoch"])
         self._pos = int(state["position"])
@@ -457,6 +478,15 @@ class JsonlSource(FileSource):
 
     See :class:`SourceConfig` for the options; the slice ``@[a:b]`` counts non-blank lines.
     The file is UTF-8, optionally with a byte-order mark. Errors name ``file:line``.
+
+    The file is read twice at construction, a chunk at a time (first every line's encoding, then
+    the records of the slice); the source keeps an index of the prompts (byte offset, length,
+    line, row: 28 bytes each), not the prompts, and reads a drawn record again from the file.
+    Draws are the same prompts in the same order as an in-memory source of the same records.
+
+    Raises:
+        DataError: at a draw, when the file changed since it was indexed (size or modification
+            time): restore it, or start the run again to index the new file.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -464,40 +494,109 @@ class JsonlSource(FileSource):
         """Options of :class:`JsonlSource` (all from :class:`SourceConfig`)."""
 
     def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
+        self._offsets = array.array("q")  # byte offset of each kept record's line
+        self._lengths = array.array("i")  # its length in bytes (no line terminator)
+        self._linenos = array.array("q")  # its line number (for messages)
+        self._row_ids = array.array("q")  # its row (index among non-blank lines)
         super().__init__(config, tokenizer)
+        stat = self.file.stat()
+        self._signature = (stat.st_size, stat.st_mtime_ns)
 
-    def _read_records(self) -> list[tuple[int, str, Any]]:
-        indexed = list(enumerate(_jsonl_lines(self.file)))[self._slice]
-        return [
-            (row, f"{self.file}:{lineno}", _parse_json(line.rstrip("\n"), f"{self.file}:{lineno}"))
-            for row, (lineno, line) in indexed
-        ]
+    def _read_records(self) -> Iterator[tuple[int, str, Any, Any]]:
+        num_lines = sum(1 for _ in _jsonl_line_spans(self.file))  # every line decodes first
+        rows = range(num_lines)[self._slice]
+        row = -1
+        for lineno, offset, raw in _jsonl_line_spans(self.file):
+            row += 1
+            if row < rows.start:
+                continue
+            if row >= rows.stop:
+                break
+            where = f"{self.file}:{lineno}"
+            yield row, where, _parse_json(raw.decode("utf-8"), where), (offset, len(raw), lineno)
+
+    def _keep(self, row: _Row, locator: Any) -> None:
+        offset, length, lineno = locator
+        self._offsets.append(offset)
+        self._lengths.append(length)
+        self._linenos.append(lineno)
+        self._row_ids.append(row.row)
+
+    def _rows_at(self, indices: Sequence[int]) -> list[_Row]:
+        stat = self.file.stat() if self.file.exists() else None
+        if stat is None or (stat.st_size, stat.st_mtime_ns) != self._signature:
+            raise DataError(
+                f"{self.file}: changed (or removed) since the source indexed it; a JSON-lines "
+                "source reads its records from the file when they are drawn. Restore the file, "
+                "or start the run again (resuming from a checkpoint) to index the new one."
+            )
+        out = []
+        with self.file.open("rb") as f:
+            for i in indices:
+                f.seek(self._offsets[i])
+                raw = f.read(self._lengths[i])
+                where = f"{self.file}:{self._linenos[i]}"
+                r = self._convert(self._row_ids[i], where, _parse_json(raw.decode("utf-8"), where))
+                assert r is not None  # it passed the same filters when indexed
+                out.append(r)
+        return out
 
 
-def _jsonl_lines(file: Path) -> list[tuple[int, str]]:
-    """``(line number, text)`` of every non-blank line of a UTF-8 file (a leading byte-order mark
-    is dropped; lines end at ``\\n``, ``\\r\\n`` or ``\\r``). Undecodable bytes raise
-    :class:`DataError` naming ``file:line``."""
-    data = file.read_bytes()
-    if data.startswith(codecs.BOM_UTF8):
-        data = data[len(codecs.BOM_UTF8) :]
+_CHUNK = 1 << 22
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+def _jsonl_line_spans(file: Path) -> Iterator[tuple[int, int, bytes]]:
+    """``(line number, byte offset, bytes)`` of every non-blank line of a UTF-8 file, read a
+    chunk at a time (bytes without the line terminator; a leading byte-order mark is skipped;
+    lines end at ``\\n``, ``\\r\\n`` or ``\\r``, as Python's universal newlines). Undecodable
+    bytes raise :class:`DataError` naming ``file:line``."""
+    lineno = 0
+    with file.open("rb") as f:
+        carry = f.read(len(codecs.BOM_UTF8))
+        base = 0  # file offset of carry[0]
+        if carry == codecs.BOM_UTF8:
+            carry, base = b"", len(codecs.BOM_UTF8)
+        while True:
+            more = f.read(_CHUNK)
+            eof = not more
+            data = carry + more
+            start = 0
+            for m in _EOL.finditer(data):
+                if not eof and m.end() == len(data) and m.group() == b"\r":
+                    break  # a \r at the end of the chunk may be the start of \r\n
+                lineno += 1
+                raw = data[start : m.start()]
+                if _decode_line(raw, file, lineno).strip():
+                    yield lineno, base + start, raw
+                start = m.end()
+            carry = data[start:]
+            base += start
+            if eof:
+                break
+        if carry:  # the last line, without a terminator
+            lineno += 1
+            if _decode_line(carry, file, lineno).strip():
+                yield lineno, base, carry
+
+
+def _decode_line(raw: bytes, file: Path, lineno: int) -> str:
+    """``raw`` as UTF-8, or :class:`DataError` naming the line and column of the bad byte."""
     try:
-        text = data.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        # the text before the bad byte decodes; count its lines as the reader would
-        head = io.StringIO(data[: e.start].decode("utf-8"), newline=None).read()
-        lineno = head.count("\n") + 1
-        column = len(head) - head.rfind("\n")
+        column = len(raw[: e.start].decode("utf-8")) + 1
         raise DataError(
-            f"{file}:{lineno}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column}). "
+            f"{file}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {column}). "
             "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl) or "
             "remove the line."
         ) from None
-    return [
-        (lineno, line)
-        for lineno, line in enumerate(io.StringIO(text, newline=None), start=1)
-        if line.strip()
-    ]
+
+
+def _jsonl_lines(file: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of a UTF-8 file
+    (:func:`_jsonl_line_spans`, decoded)."""
+    return [(lineno, raw.decode("utf-8")) for lineno, _, raw in _jsonl_line_spans(file)]
 
 
 def _parse_json(text: str, where: str, what: str = "malformed") -> Any:
@@ -522,7 +621,7 @@ class ParquetSource(FileSource):
     def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
         super().__init__(config, tokenizer)
 
-    def _read_records(self) -> list[tuple[int, str, Any]]:
+    def _read_records(self) -> list[tuple[int, str, Any, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -534,7 +633,7 @@ class ParquetSource(FileSource):
         except Exception as e:  # pyarrow raises several types for a bad file
             raise DataError(f"{self.file}: not a readable Parquet file: {e}") from e
         rows = list(enumerate(records))[self._slice]
-        return [(i, f"{self.file}:row {i}", rec) for i, rec in rows]
+        return [(i, f"{self.file}:row {i}", rec, None) for i, rec in rows]
 
 
 class HFDatasetSource(FileSource):
@@ -556,7 +655,7 @@ class HFDatasetSource(FileSource):
     def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
         super().__init__(config, tokenizer)
 
-    def _read_records(self) -> list[tuple[int, str, Any]]:
+    def _read_records(self) -> list[tuple[int, str, Any, Any]]:
         try:
             import datasets
         except ImportError:
@@ -587,7 +686,7 @@ class HFDatasetSource(FileSource):
             n = len(ds)
             idx = range(n)[self._slice]
             sub = ds.select(list(idx)) if len(idx) != n else ds
-            return [(i, f"{self.file}:row {i}", rec) for i, rec in zip(idx, sub)]
+            return [(i, f"{self.file}:row {i}", rec, None) for i, rec in zip(idx, sub)]
         except RLError:
             raise
         except Exception as e:  # datasets, pyarrow and pandas raise many types for a bad file
