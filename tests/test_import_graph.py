@@ -35,9 +35,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-KNOWN_CIRCLES = {
-    "rl_megatron",
-}
+KNOWN_CIRCLES: set[str] = set()
 
 
 def _package_dirs() -> dict[str, Path]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_core.errors import CheckpointError, ConfigError
-from rl_core.lora import LoRAConfig
+from rl_core.lora import LoRAConfig, load_adapter
 from rl_core.testing.modules import load_module
 from rl_core.testing.policy import PolicyConformance, random_batch, sft_loss
 from rl_megatron.critic import MegatronCritic
@@ -93,7 +93,7 @@ def test_lora_train_step_matches_peft_adamw(model_dirs: dict[str, Path], adapter
     holds adapter state only."""
     path, adapter = model_dirs["llama"], adapters["llama"]
     policy = _lora_policy(path, adapter, lr=LR, grad_clip=1.0)
-    base_before = {n: t.clone() for n, t in policy._params.items()}
+    base_before = {n: t.clone() for n, t in policy._weights.params.items()}
     batch = random_batch(
         policy.model_shape.vocab_size, [6, 9, 4, 8], seed=4, micro_batch_bounds=(0, 1, 4)
     )
@@ -106,7 +106,7 @@ def test_lora_train_step_matches_peft_adamw(model_dirs: dict[str, Path], adapter
     update = max(float((ref["after"][n] - ref["before"][n]).abs().max()) for n in ref["after"])
     print(f"step: max|adapter diff| {diff:.2e} (max update {update:.2e})")
     assert update > 1e-4 and diff <= 1e-5
-    for name, tensor in policy._params.items():
+    for name, tensor in policy._weights.params.items():
         assert torch.equal(tensor, base_before[name]), name
     n_adapter = sum(1 for _ in policy.named_adapter_weights())
     states = [
@@ -235,3 +235,24 @@ def test_lora_on_cuda_matches_peft(
     policy.train_step(batch, sft_loss)
     assert torch.equal(policy.compute_base_logprobs(batch).logprobs.float().cpu(), base)
     assert not torch.equal(policy.compute_logprobs(batch).logprobs.float().cpu(), got)
+
+
+def test_full_policy_refuses_adapter_calls_by_name(
+    model_dirs: dict[str, Path], adapters: dict
+) -> None:
+    """Without ``policy.lora`` every adapter call is a ConfigError naming ``policy.lora`` (and
+    changes nothing); ``adapters_disabled`` is a no-op."""
+    policy = MegatronPolicy(MegatronPolicy.Config(model_path=str(model_dirs["qwen2"])))
+    before = {n: t.clone() for n, t in policy.named_weights()}
+    tensors, _ = load_adapter(adapters["qwen2"])
+    with pytest.raises(ConfigError, match="policy.lora"):
+        policy.load_adapter_weights(tensors.items())
+    with pytest.raises(ConfigError, match="policy.lora"):
+        policy.load_adapter(str(adapters["qwen2"]))
+    with pytest.raises(ConfigError, match="policy.lora"):
+        list(policy.named_adapter_weights())
+    with policy.adapters_disabled():
+        pass
+    after = dict(policy.named_weights())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[n], after[n]) for n in before)

@@ -32,28 +32,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncError
+from rl_core.errors import ConfigError, WeightSyncError
 from rl_core.lora import (
     LoRAConfig,
-    base_identity,
     load_adapter,
     merge_adapter,
     module_of,
-    peft_adapter_config,
     peft_name,
-    save_adapter,
 )
-from rl_megatron._policy_pipeline import _PolicyState
+from rl_megatron.parallel import ParallelLayout, current_device
 
-__all__ = ["LoRAAdapter", "LoRASpec", "_LoRAMixin"]
+__all__ = ["LoRAAdapter", "LoRASpec", "PolicyLoRA", "is_adapter_key", "read_adapter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,45 +187,95 @@ def _linear_hook(adapter: LoRAAdapter) -> Any:
     return hook
 
 
-class _LoRAMixin(_PolicyState):
-    """Adapters on the decoder layers (``policy.lora``), their export/import, the merged weights
-    and the base model's log-probs."""
+def is_adapter_key(key: str) -> bool:
+    """Whether a key of the model's sharded state dict belongs to an adapter."""
+    return ".lora_linear_" in key
 
-    _lora_adapters: dict[tuple[int, str], LoRAAdapter]
 
-    @property
-    def lora(self) -> LoRAConfig | None:
-        """The adapter settings this policy trains with (``policy.lora``), or ``None``."""
-        return self.config.lora
+def read_adapter(directory: str, lora: LoRAConfig | None) -> dict[str, torch.Tensor]:
+    """The tensors of a peft adapter directory (``adapter_config.json`` + safetensors, as peft's
+    ``save_pretrained`` or :func:`rl_core.lora.save_adapter` write it), checked against
+    ``policy.lora``: rank, alpha, rslora and targets must be equal.
+
+    Raises:
+        ConfigError: ``lora`` is ``None``, or the adapter's settings differ.
+    """
+    tensors, saved = load_adapter(directory)
+    if lora is None:
+        raise ConfigError(
+            f"{directory}: loading a LoRA adapter needs policy.lora (e.g. rank: {saved.rank})."
+        )
+    mine = (lora.rank, lora.scaling, sorted(lora.target_modules))
+    theirs = (saved.rank, saved.scaling, sorted(saved.target_modules))
+    if mine != theirs:
+        raise ConfigError(
+            f"{directory}: adapter has rank/scaling/targets {theirs}, policy.lora has {mine}; "
+            "set policy.lora's rank, alpha, use_rslora and target_modules to the adapter's."
+        )
+    return tensors
+
+
+class PolicyLoRA:
+    """The LoRA part of a policy (``policy.lora``): adapters on this rank's decoder layers, their
+    export and import in peft naming, merged weights, and switching the adapters off."""
+
+    def __init__(
+        self,
+        lora: LoRAConfig,
+        module: Any,
+        hf_config: Any,
+        tconfig: Any,
+        layout: ParallelLayout,
+        *,
+        seed: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Check that ``module`` (this rank's stage of the ``GPTModel`` built with ``tconfig``
+        from ``hf_config``) can be adapted, freeze it, and attach a fresh adapter to each
+        targeted layer (peft's init: ``A`` Kaiming-uniform from a generator seeded by ``seed``
+        and the layer, ``B`` zero).
+
+        Raises:
+            ConfigError: a mixture-of-experts model, sequence parallelism, or a target name this
+                model has no linear layer for.
+        """
+        self.config = lora
+        """The adapter settings (``policy.lora``)."""
+        self._text_config = hf_config.get_text_config()
+        self._layout = layout
+        self._params_dtype = params_dtype
+        self._num_layers = int(tconfig.num_layers)
+        self._layers_per_stage = self._num_layers // layout.pp_size
+        self._check_supported(tconfig, str(hf_config.model_type))
+        self.adapters: dict[tuple[int, str], LoRAAdapter] = {}
+        """This stage's adapters by ``(global layer, Megatron linear name)``."""
+        self._attach(module, seed)
 
     # ------------------------------------------------------------------ construction
 
-    def _check_lora_supported(self) -> None:
-        lora = self.config.lora
-        if lora is None:
-            return
-        if self.tconfig.num_moe_experts:
+    def _check_supported(self, tconfig: Any, model_type: str) -> None:
+        if tconfig.num_moe_experts:
             raise ConfigError(
                 "policy.lora: LoRA on a mixture-of-experts model is not supported by "
                 "MegatronPolicy; use a dense model, or HFPolicy (type: hf) with policy.lora."
             )
-        if self.tconfig.sequence_parallel:
+        if tconfig.sequence_parallel:
             raise ConfigError(
                 "policy.lora: LoRA with sequence parallelism is not supported by MegatronPolicy; "
                 "remove sequence_parallel from policy.megatron_args."
             )
         known = {_short(p) for s in SPECS for p in s.parts}
-        unknown = sorted(set(lora.target_modules) - known)
+        unknown = sorted(set(self.config.target_modules) - known)
         if unknown:
             raise ConfigError(
                 f"policy.lora.target_modules: {unknown} are not linear layers of a "
-                f"{self.hf_config.model_type} decoder layer adaptable by MegatronPolicy; choose "
+                f"{model_type} decoder layer adaptable by MegatronPolicy; choose "
                 f"from {sorted(known)}."
             )
 
     def _full_shape(self, part: str, which: str) -> tuple[int, int]:
         """``A`` ``[r, in]`` / ``B`` ``[out, r]`` of projection ``part`` (full, unsharded)."""
-        cfg = self.hf_config.get_text_config()
+        cfg = self._text_config
         heads = int(cfg.num_attention_heads)
         groups = int(getattr(cfg, "num_key_value_heads", None) or heads)
         d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -243,35 +289,31 @@ class _LoRAMixin(_PolicyState):
             "up_proj": (h, ffn),
             "down_proj": (ffn, h),
         }[_short(part)]
-        r = self.config.lora.rank
+        r = self.config.rank
         return (r, in_out[0]) if which == "A" else (in_out[1], r)
 
     def _shard(self, spec: LoRASpec, which: str, full: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of a full ``A`` or ``B``."""
-        tp, rank = self.layout.tp_size, self.layout.tp_rank
+        tp, rank = self._layout.tp_size, self._layout.tp_rank
         if spec.kind == "row" and which == "A":
             return full.chunk(tp, dim=1)[rank].clone()
         if spec.kind != "row" and which == "B":
             return full.chunk(tp, dim=0)[rank].clone()
         return full.clone()
 
-    def _attach_lora(self) -> None:
-        """Freeze the base, then add a fresh adapter (peft's init: ``A`` Kaiming-uniform from a
-        generator seeded by ``seed`` and the layer, ``B`` zero) to each targeted layer."""
+    def _attach(self, module: Any, seed: int) -> None:
+        """Freeze the base, then add a fresh adapter to each targeted layer."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        self._lora_adapters = {}
-        lora = self.config.lora
-        if lora is None:
-            return
-        for p in self.module.parameters():
+        lora = self.config
+        for p in module.parameters():
             p.requires_grad_(False)
-        cfg = self.hf_config.get_text_config()
+        cfg = self._text_config
         heads = int(cfg.num_attention_heads)
         n_groups = int(getattr(cfg, "num_key_value_heads", None) or heads)
         d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        groups = (n_groups // self.layout.tp_size, heads // n_groups, d)
-        for layer in self.module.decoder.layers:
+        groups = (n_groups // self._layout.tp_size, heads // n_groups, d)
+        for layer in module.decoder.layers:
             index = int(layer.layer_number) - 1
             for s_i, spec in enumerate(SPECS):
                 parts = {}
@@ -279,7 +321,7 @@ class _LoRAMixin(_PolicyState):
                     if _short(part) not in lora.target_modules:
                         continue
                     gen = torch.Generator().manual_seed(
-                        self.config.seed * 1_000_003 + index * 64 + s_i * 8 + p_i
+                        seed * 1_000_003 + index * 64 + s_i * 8 + p_i
                     )
                     shape_a = self._full_shape(part, "A")
                     bound = 1.0 / math.sqrt(shape_a[1])
@@ -294,7 +336,7 @@ class _LoRAMixin(_PolicyState):
                 adapter = LoRAAdapter(
                     spec, parts, scaling=lora.scaling, dropout=lora.dropout, groups=groups
                 )
-                device = next(self.module.parameters()).device
+                device = next(module.parameters()).device
                 adapter.to(device)
                 for name in adapter.lora_A:
                     split = adapter.lora_A[name] if spec.kind == "row" else adapter.lora_B[name]
@@ -305,40 +347,30 @@ class _LoRAMixin(_PolicyState):
                 getattr(parent, spec.linear).register_forward_hook(
                     _linear_hook(adapter), with_kwargs=True
                 )
-                self._lora_adapters[(index, spec.linear)] = adapter
-        if self.config.lora_init:
-            self.load_adapter(self.config.lora_init)
+                self.adapters[(index, spec.linear)] = adapter
 
     # ------------------------------------------------------------------ adapters in and out
 
     def _adapter_names(self) -> Iterator[tuple[int, LoRASpec, str]]:
         """``(global layer, spec, part)`` of every adapted projection, in peft order."""
-        lora = self.config.lora
-        for index in range(int(self.tconfig.num_layers)):
+        for index in range(self._num_layers):
             for spec in SPECS:
                 for part in spec.parts:
-                    if _short(part) in lora.target_modules:
+                    if _short(part) in self.config.target_modules:
                         yield index, spec, part
 
     def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full adapter tensors in peft naming (``base_model.model.model.layers.0.self_attn.
         q_proj.lora_A.weight`` ...), in peft's order: gathered over TP and broadcast from the
         stage that holds each layer, so every rank yields every tensor (collective; consume it
-        to the end on every rank).
-
-        Raises:
-            ConfigError: the policy has no adapter (``policy.lora`` is not set).
-        """
+        to the end on every rank)."""
         from megatron.core import parallel_state as ps
 
-        if self.config.lora is None:
-            yield from super().named_adapter_weights()  # raises the named error
-            return
-        device = self._device()
-        pp_group = ps.get_pipeline_model_parallel_group() if self.layout.pp_size > 1 else None
+        device = current_device()
+        pp_group = ps.get_pipeline_model_parallel_group() if self._layout.pp_size > 1 else None
         for index, spec, part in self._adapter_names():
             owner = index // self._layers_per_stage
-            adapter = self._lora_adapters.get((index, spec.linear))
+            adapter = self.adapters.get((index, spec.linear))
             for which in ("A", "B"):
                 full: torch.Tensor | None = None
                 if adapter is not None:
@@ -358,41 +390,17 @@ class _LoRAMixin(_PolicyState):
         from megatron.core import parallel_state as ps
 
         split = (spec.kind == "row") == (which == "A")
-        if self.layout.tp_size == 1 or not split:
+        if self._layout.tp_size == 1 or not split:
             return local.clone()
-        shards = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
+        shards = [torch.empty_like(local) for _ in range(self._layout.tp_size)]
         torch.distributed.all_gather(
             shards, local.contiguous(), group=ps.get_tensor_model_parallel_group()
         )
         return torch.cat(shards, dim=1 if spec.kind == "row" else 0)
 
-    def load_adapter(self, directory: str) -> None:
-        """Load a peft adapter directory (``adapter_config.json`` + safetensors, as peft's
-        ``save_pretrained`` or :func:`rl_core.lora.save_adapter` write it) into the adapters
-        (every rank, same directory). Rank, alpha, rslora and targets must equal ``policy.lora``.
-
-        Raises:
-            ConfigError: the policy has no adapter, or the adapter's settings differ.
-            WeightSyncError: a tensor is missing, unknown or of the wrong shape.
-        """
-        tensors, saved = load_adapter(directory)
-        lora = self.config.lora
-        if lora is None:
-            raise ConfigError(
-                f"{directory}: loading a LoRA adapter needs policy.lora (e.g. rank: {saved.rank})."
-            )
-        mine = (lora.rank, lora.scaling, sorted(lora.target_modules))
-        theirs = (saved.rank, saved.scaling, sorted(saved.target_modules))
-        if mine != theirs:
-            raise ConfigError(
-                f"{directory}: adapter has rank/scaling/targets {theirs}, policy.lora has {mine}; "
-                "set policy.lora's rank, alpha, use_rslora and target_modules to the adapter's."
-            )
-        self.load_adapter_weights(tensors.items())
-
     def load_adapter_weights(self, named_tensors: Any) -> None:
         """Copy full peft-named adapter tensors into this rank's shards (all of them, checked
-        before anything changes).
+        before anything changes; the optimizer's copy is the caller's to reload).
 
         Raises:
             WeightSyncError: a tensor is missing, unknown or of the wrong shape.
@@ -420,125 +428,37 @@ class _LoRAMixin(_PolicyState):
                 )
         with torch.no_grad():
             for name, (spec, part, i, w) in expected.items():
-                adapter = self._lora_adapters.get((i, spec.linear))
+                adapter = self.adapters.get((i, spec.linear))
                 if adapter is None:  # another pipeline stage's layer
                     continue
                 param = (adapter.lora_A if w == "A" else adapter.lora_B)[_short(part)]
                 shard = self._shard(spec, w, tensors[name].to(param.device, param.dtype))
                 param.data.copy_(shard)
-        reload = getattr(getattr(self, "optimizer", None), "reload_model_params", None)
-        if callable(reload):
-            reload()
 
     # ------------------------------------------------------------------ merged weights, base
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full Hugging Face tensors (see
-        :meth:`~rl_megatron._policy_weights._WeightsMixin.named_weights`); with ``policy.lora`` the
-        adapted ones are merged (``W + scaling * B @ A``), so a generator without adapter support
-        serves the trained model."""
-        if self.config.lora is None:
-            yield from super().named_weights()
-            return
+    def merged(
+        self, base_weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``base_weights`` (full HF tensors, collective) with the adapted ones merged
+        (``W + scaling * B @ A``); the adapter is gathered first (collective)."""
         adapter = dict(self.named_adapter_weights())
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in adapter.items():
             module = module_of(name)[0]
             pairs.setdefault(f"{module}.weight", {})[name] = tensor
-        for name, tensor in super().named_weights():
+        for name, tensor in base_weights:
             if name in pairs:
-                tensor = merge_adapter({name: tensor}, pairs[name], self.config.lora)[name]
+                tensor = merge_adapter({name: tensor}, pairs[name], self.config)[name]
             yield name, tensor
 
     @contextlib.contextmanager
-    def adapters_disabled(self) -> Iterator[None]:
+    def disabled(self) -> Iterator[None]:
         """Within the block the model runs as the frozen base (adapters skipped)."""
-        for a in self._lora_adapters.values():
+        for a in self.adapters.values():
             a.disabled = True
         try:
             yield
         finally:
-            for a in self._lora_adapters.values():
+            for a in self.adapters.values():
                 a.disabled = False
-
-    def compute_base_logprobs(self, batch: Any) -> Any:
-        """Log-probs ``[T]`` of the frozen base (adapters disabled): the KL reference without a
-        second copy of the base (collective, as
-        :meth:`~rl_megatron.MegatronPolicy.compute_logprobs`).
-
-        Raises:
-            ConfigError: the policy has no adapter (``policy.lora`` is not set).
-        """
-        if self.config.lora is None:
-            return super().compute_base_logprobs(batch)
-        with self.adapters_disabled():
-            return self.compute_logprobs(batch)
-
-    def _lora_model_keys(self, key: str) -> bool:
-        """Whether a key of the model's sharded state dict belongs to an adapter."""
-        return ".lora_linear_" in key
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save_lora(self, out: Path) -> None:
-        """Rank 0 writes the adapter (peft format) into ``out`` (collective: gathers it)."""
-        import shutil
-
-        from rl_core.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
-        from rl_megatron._policy_checkpoint import STATE_FILE
-        from rl_megatron.checkpoint import DIST_DIR
-
-        tensors = [(n, t.detach().cpu()) for n, t in self.named_adapter_weights()]
-        if self.layout.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / STATE_FILE).unlink(missing_ok=True)
-            shutil.rmtree(out / DIST_DIR, ignore_errors=True)
-            for f in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
-                (out / f).unlink(missing_ok=True)
-            save_adapter(out, tensors, self.config.lora, base_model=self.config.model_path)
-
-    def _lora_record(self) -> dict[str, Any] | None:
-        """What the state file says about the adapter: its settings and its base's identity."""
-        lora = self.config.lora
-        if lora is None:
-            return None
-        return {
-            "base": base_identity(self.config.model_path),
-            "config": peft_adapter_config(lora, self.config.model_path),
-        }
-
-    def _check_lora_checkpoint(self, state_path: Path, saved: dict[str, Any] | None) -> bool:
-        """Refuse a LoRA checkpoint for a full policy (and back), another base model, or other
-        adapter settings; True for a LoRA checkpoint."""
-        lora = self.config.lora
-        if (saved is None) != (lora is None):
-            what = "a LoRA adapter" if saved else "full weights"
-            raise CheckpointError(
-                f"{state_path}: the checkpoint holds {what} but policy.lora is "
-                f"{'set' if lora else 'not set'}; set policy.lora as when it was saved."
-            )
-        if saved is None or lora is None:
-            return False
-        mine = base_identity(self.config.model_path)
-        if saved["base"]["checksum"] != mine["checksum"]:
-            raise CheckpointError(
-                f"{state_path}: the adapter was trained on the base model "
-                f"{saved['base']['path']!r} (checksum {saved['base']['checksum']}), this policy's "
-                f"policy.model_path {mine['path']!r} has checksum {mine['checksum']}; point "
-                "policy.model_path at the adapter's base model."
-            )
-        cfg = saved["config"]
-        theirs = (int(cfg["r"]), float(cfg["lora_alpha"]), sorted(cfg["target_modules"]))
-        if theirs != (lora.rank, float(lora.alpha), sorted(lora.target_modules)):
-            raise CheckpointError(
-                f"{state_path}: the adapter has rank/alpha/targets {theirs}, policy.lora has "
-                f"{(lora.rank, lora.alpha, sorted(lora.target_modules))}; set policy.lora to the "
-                "adapter's settings."
-            )
-        return True
-
-    def _load_lora_checkpoint(self, src: Path) -> None:
-        try:
-            self.load_adapter(str(src))
-        except RLError as exc:
-            raise CheckpointError(f"{src}: cannot load the adapter: {exc}") from exc

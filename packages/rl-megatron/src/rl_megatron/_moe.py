@@ -1,6 +1,6 @@
 """Mixture-of-experts parts of :class:`~rl_megatron.policy.MegatronPolicy` (Qwen3-MoE).
 
-Three things live here:
+Two things live here (routing replay is :mod:`rl_megatron._routing`):
 
 * :func:`moe_transformer_kwargs` and :func:`moe_layer_pattern`: the megatron-core MoE settings
   of a Hugging Face ``qwen3_moe`` config (routed experts as ``SequentialMLP``, a top-k softmax
@@ -8,17 +8,7 @@ Three things live here:
   all-to-all token dispatcher, the load-balancing loss coefficient, ``mlp_only_layers`` /
   ``decoder_sparse_step`` as ``moe_layer_freq``);
 * :func:`expert_entries`: the weight-map entries of one MoE layer (router and this rank's
-  experts; see :mod:`rl_megatron.convert`);
-* :class:`RoutingControl`: routing replay and the router's own choice. Every MoE router gets a
-  ``_ReplayingRecorder`` as its megatron-core ``router_replay`` hook
-  (``TransformerConfig.moe_enable_routing_replay``): it always records the top-k the router itself
-  computes, and when a target is set it returns that target instead (the probabilities are the
-  router's scores gathered at the target experts, then normalised as the router does).
-
-Routing tensors follow :mod:`rl_core.routing`: ``[T, L, K]`` over the packed tokens of a batch
-and the ``L`` MoE layers of the model. The model runs padded ``[N, S]`` rows and megatron-core's
-router sees tokens in ``[S, N]`` order (sequence-major), split along ``S`` over the tensor-parallel
-ranks under sequence parallelism; :class:`RoutingControl` converts between the two.
+  experts; see :mod:`rl_megatron.convert`).
 
 megatron-core 0.16.1 notes (CPU, no TransformerEngine): the router's gating linear reads a
 ``te_general_gemm`` name that is only defined when TransformerEngine imports
@@ -28,8 +18,7 @@ creates a CUDA side stream (redirected by :mod:`rl_megatron._cpu_support`); gloo
 on GPU. MoE with tensor parallelism trains only with sequence parallelism in megatron-core, so
 it is switched on whenever ``tp_size > 1``.
 
-Tensor-name legend: ``T`` packed tokens, ``N`` sequences, ``S`` padded sequence length, ``L``
-MoE layers, ``K`` experts per token, ``E`` experts.
+Tensor-name legend: ``E`` experts.
 """
 
 from __future__ import annotations
@@ -44,7 +33,6 @@ from rl_core.moe_weights import unfuse_expert_tensors
 
 __all__ = [
     "MoESettings",
-    "RoutingControl",
     "expert_entries",
     "is_moe_config",
     "moe_layer_pattern",
@@ -252,144 +240,3 @@ def unfuse_hf_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     this converter uses (:func:`rl_core.moe_weights.unfuse_expert_tensors`); other names pass
     through."""
     return dict(unfuse_expert_tensors(tensors.items()))
-
-
-# ----------------------------------------------------------------------------------------------
-# Routing replay
-# ----------------------------------------------------------------------------------------------
-
-
-def _replaying_recorder_type() -> type:
-    """``_ReplayingRecorder``, built on megatron-core's ``RouterReplay`` at first use (so this
-    module imports without megatron-core)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    class _ReplayingRecorder(RouterReplay):
-        """Records the router's own top-k every forward; returns :attr:`target` instead when
-        set. Not registered in ``RouterReplay.global_router_replay_instances`` (a process-wide
-        list that would outlive the policy); :class:`RoutingControl` drives each one."""
-
-        def __init__(self) -> None:
-            self.target_topk_idx = None
-            self.recorded_topk_idx = None
-            self.router_replay_action = None
-            self.replay_backward_list = []
-
-        def get_replay_topk(
-            self,
-            scores: torch.Tensor,
-            topk: int,
-            num_groups: int | None = None,
-            group_topk: int | None = None,
-            default_compute_topk: Any = None,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            probs, top_idx = default_compute_topk(
-                scores, topk, num_groups=num_groups, group_topk=group_topk
-            )
-            self.recorded_topk_idx = top_idx.detach()
-            if self.target_topk_idx is None:
-                return probs, top_idx
-            target = self.target_topk_idx.to(scores.device)
-            return scores.gather(1, target), target
-
-    return _ReplayingRecorder
-
-
-class RoutingControl:
-    """Routing replay and recording for the MoE layers of one pipeline stage of a GPTModel."""
-
-    def __init__(self, module: Any, *, moe_layers_before: int, num_moe_layers: int) -> None:
-        """Install a recorder on every MoE router of ``module``; ``moe_layers_before`` = MoE
-        layers on earlier pipeline stages, ``num_moe_layers`` = MoE layers of the whole model."""
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-
-        recorder_type = _replaying_recorder_type()
-        self.recorders: list[Any] = []
-        """One per MoE layer of this stage, in layer order."""
-        self.top_k = 0
-        """Experts per token."""
-        for layer in module.decoder.layers:
-            if isinstance(layer.mlp, MoELayer):
-                router = layer.mlp.router
-                previous = router.router_replay
-                if previous is not None:  # drop megatron's process-wide registration
-                    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-                    instances = RouterReplay.global_router_replay_instances
-                    if previous in instances:
-                        instances.remove(previous)
-                router.router_replay = recorder_type()
-                # The policy sets one gradient scale per step for the load-balancing loss
-                # (MegatronPolicy._set_aux_loss_scale); not multiplied by the token count.
-                router.calculate_per_token_loss = False
-                self.recorders.append(router.router_replay)
-                self.top_k = int(router.topk)
-        self.first = moe_layers_before
-        """Global index of this stage's first MoE layer."""
-        self.num_layers = num_moe_layers
-        """MoE layers of the whole model (the ``L`` of routing tensors)."""
-
-    # The model's token order: flat index pos * N + seq of the [S, N] layout, cut along S into
-    # tp_size equal parts under sequence parallelism.
-
-    def set_targets(self, routing_TLK: torch.Tensor | None, prep: dict[str, torch.Tensor]) -> None:
-        """Replay ``routing_TLK`` (``[T, L, K]`` for the whole model) in the next forward, or
-        route freely when ``None``; clears what was recorded."""
-        for rec in self.recorders:
-            rec.recorded_topk_idx = None
-            rec.target_topk_idx = None
-        if routing_TLK is None or not self.recorders:
-            return
-        n, s = prep["tokens_NL"].shape
-        seq_T, pos_T = prep["seq_T"], prep["pos_T"]
-        k = self.top_k
-        rows = _tp_rows(s)
-        for i, rec in enumerate(self.recorders):
-            full_SNK = torch.arange(k, device=seq_T.device).expand(s, n, k).clone()
-            full_SNK[pos_T, seq_T] = routing_TLK[:, self.first + i, :].to(
-                device=seq_T.device, dtype=torch.long
-            )
-            rec.target_topk_idx = full_SNK[rows].reshape(-1, k)
-
-    def recorded(self, prep: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[T, L_stage, K]``: what this stage's routers chose in the last forward (gathered
-        over tensor-parallel ranks under sequence parallelism)."""
-        n, s = prep["tokens_NL"].shape
-        seq_T, pos_T = prep["seq_T"], prep["pos_T"]
-        out = []
-        for rec in self.recorders:
-            local_K = rec.recorded_topk_idx
-            full_SNK = _gather_tp_rows(local_K.reshape(-1, n, local_K.shape[-1]), s)
-            out.append(full_SNK[pos_T, seq_T])
-        if not out:
-            return torch.zeros(seq_T.shape[0], 0, self.top_k, dtype=torch.long)
-        return torch.stack(out, dim=1)
-
-
-def _sequence_parallel() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-def _tp_rows(s: int) -> slice:
-    """This TP rank's rows of a length-``s`` sequence axis (all rows without TP)."""
-    rank, size = _sequence_parallel()
-    if size == 1:
-        return slice(0, s)
-    part = s // size
-    return slice(rank * part, (rank + 1) * part)
-
-
-def _gather_tp_rows(local_SNK: torch.Tensor, s: int) -> torch.Tensor:
-    """``[s, N, K]`` from each TP rank's ``[s / tp, N, K]`` rows (identity without TP)."""
-    from megatron.core import parallel_state as ps
-
-    _, size = _sequence_parallel()
-    if size == 1:
-        return local_SNK
-    parts = [torch.empty_like(local_SNK) for _ in range(size)]
-    torch.distributed.all_gather(
-        parts, local_SNK.contiguous(), group=ps.get_tensor_model_parallel_group()
-    )
-    return torch.cat(parts, dim=0)

@@ -22,6 +22,7 @@ import torch
 from rl_core.critics import PolicyCriticMixin
 from rl_core.errors import CheckpointError, ConfigError
 from rl_core.interfaces import Critic
+from rl_megatron.parallel import current_device
 from rl_megatron.policy import MegatronPolicy
 
 __all__ = ["HEAD_FILE", "MegatronCritic"]
@@ -59,7 +60,7 @@ class MegatronCritic(PolicyCriticMixin, MegatronPolicy, Critic):
         self.value_head = None
         if self.module.post_process:
             hidden = int(self.tconfig.hidden_size)
-            head = torch.nn.Linear(hidden, 1, dtype=self._params_dtype, device=self._device())
+            head = torch.nn.Linear(hidden, 1, dtype=self._params_dtype, device=current_device())
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
             self.module.value_head = head  # a submodule: DDP and the optimizer include it

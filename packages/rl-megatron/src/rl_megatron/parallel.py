@@ -18,7 +18,7 @@ import torch
 
 from rl_core.errors import ConfigError
 
-__all__ = ["ParallelLayout", "init_parallel"]
+__all__ = ["ParallelLayout", "current_device", "init_parallel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,4 +141,13 @@ def init_parallel(
         ep_rank=ps.get_expert_model_parallel_rank(),
         etp_size=etp,
         etp_rank=ps.get_expert_tensor_parallel_rank(),
+    )
+
+
+def current_device() -> torch.device:
+    """This rank's compute device: the current CUDA device, or the CPU without CUDA."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
     )

@@ -30,14 +30,21 @@ broadcast from it so every rank returns the same values.
 Tensor-name legend: ``T`` packed tokens, ``N`` sequences, ``L`` longest sequence, ``S`` scored
 positions, ``V`` this rank's vocabulary slice.
 
-Layout: this module holds the config, model construction, forward and the train step; the class
-gets pipeline execution from ``_policy_pipeline``, weight export/import from ``_policy_weights``
-and ``save``/``load`` from ``_policy_checkpoint`` (mixins over shared attributes).
+Structure: this module holds the config, model construction, the forward and the train step.
+The policy owns its other concerns as parts, each an object with its own state built from what it
+needs: the pipeline schedule (:class:`rl_megatron._pipeline.PipelineSchedule`), the HF weight
+exchange (:class:`rl_megatron._weights.HFWeights`), routing replay of a mixture-of-experts model
+(:class:`rl_megatron._routing.RoutingReplay`), the LoRA adapters
+(:class:`rl_megatron._lora.PolicyLoRA`, with ``policy.lora``) and checkpoints
+(:class:`rl_megatron._checkpoints.PolicyCheckpoints`); offload lists its tensors with
+:func:`rl_megatron._offload.tracked_tensors`. The public methods below delegate to them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -53,20 +60,21 @@ from rl_core.config import (
     Range,
     Seed,
 )
-from rl_core.errors import ConfigError
+from rl_core.errors import ConfigError, WeightSyncError
 from rl_core.interfaces import LossFn, Policy
 from rl_core.lora import LoRAConfig
-from rl_core.offload import OffloadConfig
+from rl_core.offload import Offloadable, OffloadConfig, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
-from rl_megatron._lora import _LoRAMixin
-from rl_megatron._policy_checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT  # re-export
-from rl_megatron._policy_checkpoint import OPTIM_DIR as OPTIM_DIR  # re-export
-from rl_megatron._policy_checkpoint import STATE_FILE as STATE_FILE  # re-export
-from rl_megatron._policy_checkpoint import _CheckpointMixin
-from rl_megatron._policy_moe import _MoEMixin
-from rl_megatron._policy_offload import OffloadMixin
-from rl_megatron._policy_pipeline import _PipelineMixin, _to_device
-from rl_megatron._policy_weights import _WeightsMixin
+from rl_megatron._checkpoints import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT  # re-export
+from rl_megatron._checkpoints import OPTIM_DIR as OPTIM_DIR  # re-export
+from rl_megatron._checkpoints import STATE_FILE as STATE_FILE  # re-export
+from rl_megatron._checkpoints import PolicyCheckpoints
+from rl_megatron._lora import PolicyLoRA, read_adapter
+from rl_megatron._moe import MoESettings
+from rl_megatron._offload import tracked_tensors
+from rl_megatron._pipeline import PipelineSchedule, to_device
+from rl_megatron._routing import RoutingReplay
+from rl_megatron._weights import HFWeights
 from rl_megatron.convert import (
     HFWeightMap,
     padded_vocab_size,
@@ -78,7 +86,7 @@ from rl_megatron.logprobs import (
     emit_hidden_states,
     vocab_parallel_logprobs,
 )
-from rl_megatron.parallel import ParallelLayout, init_parallel
+from rl_megatron.parallel import ParallelLayout, current_device, init_parallel
 
 __all__ = ["MegatronPolicy"]
 
@@ -86,9 +94,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
-class MegatronPolicy(
-    _LoRAMixin, _PipelineMixin, _WeightsMixin, _CheckpointMixin, _MoEMixin, OffloadMixin, Policy
-):
+class MegatronPolicy(Offloadable, Policy):
     """A trainable Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on megatron-core (see the module
     docstring)."""
 
@@ -255,7 +261,7 @@ class MegatronPolicy(
     supports_offload: ClassVar[bool] = True
     """``offload``/``onload`` move this rank's weights, gradient buffers and optimizer state
     (fp32 master weights and Adam moments, sharded or not) to host memory and back bitwise
-    (:mod:`rl_megatron._policy_offload`)."""
+    (:mod:`rl_megatron._offload`)."""
     supports_routing_replay: ClassVar[bool] = True
     """A mixture-of-experts model replays ``TrainBatch.routed_experts`` through megatron-core's
     router replay and reports its own routing (a dense model refuses routing)."""
@@ -295,13 +301,20 @@ class MegatronPolicy(
         self.hf_config = AutoConfig.from_pretrained(str(path))
         """The Hugging Face model config the Megatron model was built from."""
         self._params_dtype = getattr(torch, config.dtype)
+        moe = MoESettings(
+            ep_size=self.layout.ep_size,
+            etp_size=self.layout.etp_size,
+            ep_rank=self.layout.ep_rank,
+            etp_rank=self.layout.etp_rank,
+            aux_loss_coeff=config.moe_aux_loss_coeff,
+        )
         self.tconfig, gpt_kwargs = transformer_config_from_hf(
             self.hf_config,
             tp_size=config.tp_size,
             pp_size=config.pp_size,
             params_dtype=self._params_dtype,
             overrides={**split["transformer"], **config.recompute_overrides()},
-            moe=self._moe_settings(),
+            moe=moe,
         )
         num_layers = int(self.tconfig.num_layers)
         if num_layers % config.pp_size:
@@ -309,7 +322,6 @@ class MegatronPolicy(
                 f"policy.pp_size: {config.pp_size} does not divide the {num_layers} layers of "
                 "config.json; pick a pp_size that divides num_hidden_layers."
             )
-        self._layers_per_stage = num_layers // config.pp_size
         self._vocab = gpt_kwargs["vocab_size"]
         self._padded_vocab = padded_vocab_size(
             self._vocab, config.tp_size, config.make_vocab_size_divisible_by
@@ -322,34 +334,54 @@ class MegatronPolicy(
             from megatron.core import parallel_state as ps
 
             emit_hidden_states(self.module.output_layer, ps.get_tensor_model_parallel_group())
-        layer_numbers = {
-            i: int(layer.layer_number) - 1 for i, layer in enumerate(self.module.decoder.layers)
-        }
-        self.weight_map = HFWeightMap(
+        self._routing = RoutingReplay(self.module, self.hf_config, self.layout)
+        """Routing replay and recording of a mixture-of-experts model (no-ops when dense)."""
+        self._weights = HFWeights(
+            self.module,
             self.hf_config,
-            layers=layer_numbers,
-            pre_process=self.module.pre_process,
-            post_process=self.module.post_process,
+            self.layout,
+            num_layers=num_layers,
             padded_vocab=self._padded_vocab,
-            moe=self._moe_settings(),
+            moe=moe,
+            params_dtype=self._params_dtype,
         )
+        """Full Hugging Face tensors out of and into this rank's shards."""
+        self.weight_map: HFWeightMap = self._weights.weight_map
         """The HF <-> Megatron weight mapping of this rank's stage."""
-        self._global_map = HFWeightMap(
-            self.hf_config,
-            layers={i: i for i in range(num_layers)},
-            pre_process=True,
-            post_process=True,
-            padded_vocab=self._padded_vocab,
-        )
-        self._init_routing()
-        self._params = dict(self.module.named_parameters())
-        self._check_param_coverage()
-        self._mark_tensor_parallel_params()
         self._freeze_padding_embedding()
-        self._load_hf_dir(path, error=ConfigError)
-        self._check_lora_supported()
-        self._attach_lora()
+        self._weights.load_hf_dir(path, error=ConfigError)
+        self._lora: PolicyLoRA | None = None
+        """The adapters (``policy.lora``); ``None`` for full fine-tuning."""
+        if config.lora is not None:
+            self._lora = PolicyLoRA(
+                config.lora,
+                self.module,
+                self.hf_config,
+                self.tconfig,
+                self.layout,
+                seed=config.seed,
+                params_dtype=self._params_dtype,
+            )
+            if config.lora_init:
+                self._lora.load_adapter_weights(read_adapter(config.lora_init, config.lora).items())
         self._build_ddp_and_optimizer(split)
+        self._pipeline = PipelineSchedule(
+            self.model, prepare=self._prepare, head=self._logits_to_logp, routing=self._routing
+        )
+        """The 1F1B schedule over the pipeline stages (used with ``pp_size > 1``)."""
+        self._checkpoints = PolicyCheckpoints(
+            module=self.module,
+            optimizer=self.optimizer,
+            weights=self._weights,
+            export=self.named_weights,
+            lora=self._lora,
+            layout=self.layout,
+            model_path=config.model_path,
+            hf_config=self.hf_config,
+            tokenizer=self.tokenizer,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+        )
+        """``save`` / ``load`` of this policy's state."""
         self._version = 0
         self._applied_steps = 0
 
@@ -411,25 +443,6 @@ class MegatronPolicy(
             model.cuda(torch.cuda.current_device())
         return model
 
-    def _mark_tensor_parallel_params(self) -> None:
-        """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes.
-
-        megatron-core 0.16 sets them only while initialising weights; the model is built with
-        ``perform_initialization=False`` (the HF weights overwrite them anyway), and without the
-        attributes the gradient norm counts only TP rank 0's shards.
-        """
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-        for entry in self.weight_map.entries:
-            dim = self.weight_map.gather_dim(entry)
-            param = self._params[entry.mcore_name]
-            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-                if hasattr(param, attr):
-                    delattr(param, attr)
-            set_tensor_model_parallel_attributes(
-                param, dim is not None, -1 if dim is None else dim, 1
-            )
-
     def _freeze_padding_embedding(self) -> None:
         """Match ``nn.Embedding(padding_idx=pad_token_id)`` of the HF model: the lookup of the
         pad token passes no gradient to its embedding row (the LM head still does when tied)."""
@@ -450,15 +463,6 @@ class MegatronPolicy(
             return torch.where(is_pad, output.detach(), output)
 
         self.module.embedding.word_embeddings.register_forward_hook(block_pad_gradient)
-
-    def _check_param_coverage(self) -> None:
-        mapped = {e.mcore_name for e in self.weight_map.entries}
-        unmapped = sorted(set(self._params) - mapped)
-        if unmapped:
-            raise ConfigError(
-                f"policy.megatron_args: the Megatron model has parameters {unmapped[:3]} that the "
-                "HF converter does not map; an option changed the architecture, remove it."
-            )
 
     def _build_ddp_and_optimizer(self, split: dict[str, dict[str, Any]]) -> None:
         from megatron.core.distributed import (
@@ -538,14 +542,188 @@ class MegatronPolicy(
             **moe,
         )
 
-    # ------------------------------------------------------------------ forward
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers."""
+        return self._routing.is_moe
 
-    def _device(self) -> torch.device:
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The adapter settings this policy trains with (``policy.lora``), or ``None``."""
+        return self.config.lora
+
+    # ------------------------------------------------------------------ weights
+
+    def _reload_optimizer(self) -> None:
+        """Refresh the optimizer's copy of the weights (its fp32 main weights) after a load."""
+        reload = getattr(getattr(self, "optimizer", None), "reload_model_params", None)
+        if callable(reload):
+            reload()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for every weight, in Hugging Face ``state_dict`` order.
+
+        Tensor-parallel shards are gathered and the vocabulary padding trimmed, so every rank
+        yields the same full tensors: a collective, every rank must consume the iterator to the
+        end. With tied embeddings ``lm_head.weight`` is omitted (as ``HFPolicy``). At TP=1 the
+        tensors are detached views of the live weights: copy them if you keep them across a
+        ``train_step``. With ``policy.lora`` the adapted ones are merged (``W + scaling * B @
+        A``), so a generator without adapter support serves the trained model.
+        """
+        if self._lora is None:
+            yield from self._weights.named_weights()
+            return
+        yield from self._lora.merged(self._weights.named_weights())
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Copy Hugging Face-named full tensors into this rank's shards and set the version.
+
+        Collective (every rank passes the same tensors). Names and shapes are checked before any
+        weight changes; names not given keep their values (a fused Megatron tensor such as qkv
+        is completed from the current weights); for a tied model ``lm_head.weight`` is accepted
+        and written to the shared matrix.
+
+        Raises:
+            WeightSyncError: an unknown name or a shape mismatch (nothing is changed).
+        """
+        self._weights.copy_in(named_tensors, error=WeightSyncError, source="load_weights")
+        self._reload_optimizer()
+        self._version = int(version)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Write a Hugging Face model directory plus, optionally, a Megatron distributed
+        checkpoint of the weights and optimizer state (collective).
+
+        Global rank 0 writes ``config.json``, ``model.safetensors`` (full tensors, HF names,
+        loadable by ``AutoModelForCausalLM`` and by this policy at any layout) and the tokenizer.
+        With ``with_optimizer`` all ranks write the model and optimizer state in megatron-core's
+        ``torch_dist`` format under :data:`~rl_megatron.checkpoint.DIST_DIR` (loadable at another
+        TP/PP/DP layout, see :mod:`rl_megatron.checkpoint`). Rank 0 removes an older
+        :data:`STATE_FILE` first and writes the new one (version, schedule position, layout)
+        last, after a barrier, so a directory with a state file is a complete checkpoint.
+        With ``policy.lora`` rank 0 writes the adapter alone (peft format, no base weights), the
+        distributed checkpoint holds the adapters and their optimizer state, and the state file
+        records the base model's identity.
+
+        Raises:
+            CheckpointError: (every rank, before the optimizer state is written, so no state
+                file) the distributed optimizer's state would not load back as it is; see
+                :func:`~rl_megatron.checkpoint.save_distributed`.
+        """
+        self._checkpoints.save(
+            Path(directory),
+            version=self._version,
+            applied_steps=self._applied_steps,
+            with_optimizer=with_optimizer,
         )
+
+    def save_merged(self, directory: str | Path) -> None:
+        """Write the merged model (:meth:`named_weights`: base plus ``scaling * B @ A``) as a
+        Hugging Face directory that ``AutoModelForCausalLM`` (and this policy without ``lora``)
+        loads, with a state file holding the version and no optimizer state (collective).
+        Without ``policy.lora`` it is ``save(with_optimizer=False)``."""
+        if self._lora is None:
+            self.save(directory, with_optimizer=False)
+            return
+        self._checkpoints.save_merged(
+            Path(directory), version=self._version, applied_steps=self._applied_steps
+        )
+
+    def load(self, directory: str | Path, *, with_optimizer: bool = True) -> None:
+        """Restore weights, version, schedule position and (if ``with_optimizer``) optimizer
+        state (collective).
+
+        ``with_optimizer=False`` reads the Hugging Face weights, at any layout.
+        ``with_optimizer=True`` reads the weights and optimizer state from the Megatron
+        distributed checkpoint, at any TP/PP/DP layout of the same model and the same
+        ``use_distributed_optimizer`` setting; training then continues as if uninterrupted.
+
+        Raises:
+            CheckpointError: files are missing, a weight is missing or has the wrong shape, the
+                optimizer state was asked for but not saved (or saved by an older version), or
+                it was saved with the other ``use_distributed_optimizer`` setting.
+        """
+        self._version, self._applied_steps = self._checkpoints.load(
+            Path(directory), with_optimizer=with_optimizer
+        )
+
+    # ------------------------------------------------------------------ LoRA
+
+    def _need_lora(self) -> PolicyLoRA:
+        if self._lora is None:
+            raise ConfigError(
+                f"{type(self).__name__} has no LoRA adapter: set policy.lora (e.g. {{rank: 8}}) "
+                "to train one."
+            )
+        return self._lora
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full adapter tensors in peft naming (``base_model.model.model.layers.0.self_attn.
+        q_proj.lora_A.weight`` ...), in peft's order: gathered over TP and broadcast from the
+        stage that holds each layer, so every rank yields every tensor (collective; consume it
+        to the end on every rank).
+
+        Raises:
+            ConfigError: the policy has no adapter (``policy.lora`` is not set).
+        """
+        if self._lora is None:
+            yield from super().named_adapter_weights()  # raises the named error
+            return
+        yield from self._lora.named_adapter_weights()
+
+    def load_adapter(self, directory: str) -> None:
+        """Load a peft adapter directory (``adapter_config.json`` + safetensors, as peft's
+        ``save_pretrained`` or :func:`rl_core.lora.save_adapter` write it) into the adapters
+        (every rank, same directory). Rank, alpha, rslora and targets must equal ``policy.lora``.
+
+        Raises:
+            ConfigError: the policy has no adapter, or the adapter's settings differ.
+            WeightSyncError: a tensor is missing, unknown or of the wrong shape.
+        """
+        tensors = read_adapter(directory, self.config.lora)
+        self._need_lora().load_adapter_weights(tensors.items())
+        self._reload_optimizer()
+
+    def load_adapter_weights(self, named_tensors: Any) -> None:
+        """Copy full peft-named adapter tensors into this rank's shards (all of them, checked
+        before anything changes).
+
+        Raises:
+            ConfigError: the policy has no adapter (``policy.lora`` is not set).
+            WeightSyncError: a tensor is missing, unknown or of the wrong shape.
+        """
+        self._need_lora().load_adapter_weights(named_tensors)
+        self._reload_optimizer()
+
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """A context within which the model runs as the frozen base (adapters skipped; a no-op
+        without ``policy.lora``)."""
+        return self._lora.disabled() if self._lora is not None else contextlib.nullcontext()
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> LogProbOutput:
+        """Log-probs ``[T]`` of the frozen base (adapters disabled): the KL reference without a
+        second copy of the base (collective, as :meth:`compute_logprobs`).
+
+        Raises:
+            ConfigError: the policy has no adapter (``policy.lora`` is not set).
+        """
+        if self._lora is None:
+            return super().compute_base_logprobs(batch)
+        with self._lora.disabled():
+            return self.compute_logprobs(batch)
+
+    # ------------------------------------------------------------------ offload
+
+    def tracked_tensors(self) -> TrackedTensors:
+        """``(kind, name, tensor)`` of this rank's state, weights first (a storage's first
+        kind decides whether it moves; see :mod:`rl_megatron._offload`)."""
+        return tracked_tensors(self.module, self.model, self.optimizer, current_device().type)
+
+    # ------------------------------------------------------------------ forward
 
     def _forward(
         self, batch: TrainBatch, *, with_entropy: bool, routing: list[torch.Tensor] | None = None
@@ -556,20 +734,20 @@ class MegatronPolicy(
         choice ``[T, L_stage, K]`` to ``routing``."""
         prep = self._prepare(batch)
         if prep is None:
-            zero_T = torch.zeros(0, dtype=torch.float32, device=self._device())
+            zero_T = torch.zeros(0, dtype=torch.float32, device=current_device())
             return zero_T, (zero_T if with_entropy else None)
-        self._routing_begin(batch, prep)
+        self._routing.begin(batch, prep)
         logits_NLV = self.model(
             prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
         )
-        own_TLK = self._routing_end(prep)
+        own_TLK = self._routing.end(prep)
         if routing is not None and own_TLK is not None:
             routing.append(own_TLK)
         return self._logits_to_logp(logits_NLV, prep, with_entropy=with_entropy)
 
     def _prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
         """Padded ``[N, L]`` inputs and the index tensors to score ``[T]`` (``None`` if empty)."""
-        device = self._device()
+        device = current_device()
         tokens_T = batch.tokens.to(device)
         if tokens_T.shape[0] == 0:
             return None
@@ -653,18 +831,18 @@ class MegatronPolicy(
         Raises:
             ConfigError: ``batch.routed_experts`` on a dense model, or of the wrong shape.
         """
-        self._check_routing(batch)
+        self._routing.check(batch)
         routing: list[torch.Tensor] = []
         out = batch.tokens.device
         if self.layout.pp_size > 1:
             with torch.no_grad():
-                logp_T, ent_T = self._pipeline_logprobs(
+                logp_T, ent_T = self._pipeline.logprobs(
                     batch, with_entropy=with_entropy, routing=routing
                 )
             return LogProbOutput(
                 logprobs=logp_T.to(out),
                 entropy=ent_T.to(out) if ent_T is not None else None,
-                routed_experts=self._join_stage_routing(routing, batch.num_tokens),
+                routed_experts=self._routing.join(routing, batch.num_tokens),
             )
         logps, ents = [], []
         with torch.no_grad():
@@ -676,7 +854,7 @@ class MegatronPolicy(
         return LogProbOutput(
             logprobs=torch.cat(logps).to(out),
             entropy=torch.cat(ents).to(out) if with_entropy else None,
-            routed_experts=self._join_stage_routing(routing, batch.num_tokens),
+            routed_experts=self._routing.join(routing, batch.num_tokens),
         )
 
     # ------------------------------------------------------------------ training
@@ -705,7 +883,7 @@ class MegatronPolicy(
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        self._check_routing(batch)
+        self._routing.check(batch)
         needs_entropy = bool(getattr(loss_fn, "requires_entropy", False))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -716,13 +894,13 @@ class MegatronPolicy(
             for name, value in out_loss.metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
 
-        with self._aux_loss_scale(len(batch.micro_batches())):
+        with self._routing.aux_loss_scale(len(batch.micro_batches())):
             if self.layout.pp_size > 1:
-                self._pipeline_train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
+                self._pipeline.train(batch, loss_fn, needs_entropy=needs_entropy, record=record)
             else:
                 for mb in batch.micro_batches():
                     logp_T, ent_T = self._forward(mb, with_entropy=needs_entropy)
-                    out_loss = loss_fn(logp_T, _to_device(mb, logp_T.device), ent_T)
+                    out_loss = loss_fn(logp_T, to_device(mb, logp_T.device), ent_T)
                     if out_loss.loss.requires_grad:
                         out_loss.loss.backward()
                     record(out_loss)

@@ -1,5 +1,6 @@
-"""Pipeline-parallel execution of :class:`~rl_megatron.policy.MegatronPolicy` (Megatron's 1F1B
-schedule), and the attributes its parts share.
+"""Pipeline-parallel execution of :class:`~rl_megatron.policy.MegatronPolicy`: micro-batches
+through megatron-core's 1F1B schedule, the last stage computing log-probs (and the loss) and
+broadcasting what every stage returns.
 
 Tensor-name legend: ``T`` packed tokens, ``N`` sequences, ``L`` longest sequence, ``V`` this
 rank's vocabulary slice.
@@ -8,55 +9,39 @@ rank's vocabulary slice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from rl_core.interfaces import LossFn
 from rl_core.types import TrainBatch
-from rl_megatron.convert import HFWeightMap
-from rl_megatron.parallel import ParallelLayout
+from rl_megatron._routing import RoutingReplay
+from rl_megatron.parallel import current_device
 
-if TYPE_CHECKING:
-    from rl_megatron.policy import MegatronPolicy
+__all__ = ["Head", "PipelineSchedule", "Prepare", "to_device"]
 
-
-class _PolicyState:
-    """Attributes shared by the mixins of :class:`~rl_megatron.policy.MegatronPolicy` (set in
-    its ``__init__``)."""
-
-    config: MegatronPolicy.Config
-    layout: ParallelLayout
-    hf_config: Any
-    tokenizer: Any
-    module: Any
-    model: Any
-    optimizer: Any
-    weight_map: HFWeightMap
-    _global_map: HFWeightMap
-    _params: dict[str, torch.nn.Parameter]
-    _params_dtype: torch.dtype
-    _layers_per_stage: int
-    _version: int
-    _applied_steps: int
-
-    if TYPE_CHECKING:  # defined by the other mixins and the policy
-
-        def _routing_begin(self, mb: TrainBatch, prep: dict[str, torch.Tensor]) -> None: ...
-        def _routing_end(self, prep: dict[str, torch.Tensor]) -> torch.Tensor | None: ...
-        def _device(self) -> torch.device: ...
-        def _save_lora(self, out: Any) -> None: ...
-        def _lora_record(self) -> dict[str, Any] | None: ...
-        def _check_lora_checkpoint(self, state_path: Any, saved: Any) -> bool: ...
-        def _load_lora_checkpoint(self, src: Any) -> None: ...
-        def _lora_model_keys(self, key: str) -> bool: ...
+Prepare = Callable[[TrainBatch], "dict[str, torch.Tensor] | None"]
+"""A micro-batch's padded ``[N, L]`` inputs and index tensors (``None`` when it is empty)."""
+Head = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
+"""``head(output, prep, with_entropy=...)``: ``logp_T`` (and ``entropy_T``) from the last stage's
+model output for the micro-batch ``prep`` describes."""
 
 
-class _PipelineMixin(_PolicyState):
-    """Log-probs and training steps through the pipeline stages; the last stage broadcasts results."""
+class PipelineSchedule:
+    """Log-probs and training steps through the pipeline stages (1F1B); the last stage
+    broadcasts the results so every rank returns the same values."""
 
-    def _run_pipeline(
+    def __init__(self, model: Any, *, prepare: Prepare, head: Head, routing: RoutingReplay) -> None:
+        """``model``: the DDP-wrapped stage the schedule runs; ``prepare`` pads a micro-batch;
+        ``head`` turns the last stage's output into log-probs; ``routing`` replays and records
+        each micro-batch's MoE routing."""
+        self._model = model
+        self._prepare = prepare
+        self._head = head
+        self._routing = routing
+
+    def _run(
         self,
         micro_batches: list[TrainBatch],
         loss_for: Any,
@@ -80,11 +65,11 @@ class _PipelineMixin(_PolicyState):
 
         def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[Any, Any]:
             index, prep = next(data_iterator)
-            self._routing_begin(micro_batches[index], prep)
+            self._routing.begin(micro_batches[index], prep)
             output = model(
                 prep["tokens_NL"], prep["positions_NL"], None, runtime_gather_output=False
             )
-            own_TLK = self._routing_end(prep)
+            own_TLK = self._routing.end(prep)
             if routing is not None and own_TLK is not None:
                 routing.append(own_TLK)
 
@@ -97,14 +82,15 @@ class _PipelineMixin(_PolicyState):
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(items),
-            model=[self.model],
+            model=[self._model],
             num_microbatches=len(items),
             seq_length=max(int(p["tokens_NL"].shape[1]) for _, p in items),
             micro_batch_size=max(int(p["tokens_NL"].shape[0]) for _, p in items),
             forward_only=forward_only,
         )
 
-    def _broadcast_from_last_stage(self, x_T: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _broadcast_from_last_stage(x_T: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
         torch.distributed.broadcast(
@@ -114,53 +100,62 @@ class _PipelineMixin(_PolicyState):
         )
         return x_T
 
-    def _pipeline_logprobs(
+    def logprobs(
         self,
         batch: TrainBatch,
         *,
         with_entropy: bool,
         routing: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs through the pipeline; the last stage broadcasts them to every stage."""
+        """Log-probs ``[T]`` (and entropy) of ``batch`` on this rank's device, computed on the
+        last stage and broadcast to every stage (collective over the pipeline group); a MoE
+        stage appends its routers' choices to ``routing``."""
         mbs = batch.micro_batches()
-        device = self._device()
+        device = current_device()
         logp_T = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
         ent_T = torch.zeros_like(logp_T) if with_entropy else None
         offsets = [int(batch.cu_seqlens[b]) for b in (batch.micro_batch_bounds or (0,))]
 
         def loss_for(index: int, prep: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
-            lp, ent = self._logits_to_logp(logits, prep, with_entropy=with_entropy)
+            lp, ent = self._head(logits, prep, with_entropy=with_entropy)
             t0 = offsets[index]
             logp_T[t0 : t0 + lp.shape[0]] = lp
             if ent_T is not None and ent is not None:
                 ent_T[t0 : t0 + ent.shape[0]] = ent
             return logits.new_zeros(())
 
-        self._run_pipeline(mbs, loss_for, forward_only=True, routing=routing)
+        self._run(mbs, loss_for, forward_only=True, routing=routing)
         logp_T = self._broadcast_from_last_stage(logp_T)
         if ent_T is not None:
             ent_T = self._broadcast_from_last_stage(ent_T)
         return logp_T, ent_T
 
-    def _pipeline_train(
-        self, batch: TrainBatch, loss_fn: LossFn, *, needs_entropy: bool, record: Any
+    def train(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        *,
+        needs_entropy: bool,
+        record: Callable[[Any], None],
     ) -> None:
-        """Forward and backward of every micro-batch through the pipeline (1F1B)."""
+        """Forward and backward of every micro-batch of ``batch`` through the pipeline; the last
+        stage calls ``loss_fn`` and passes each result to ``record``."""
         mbs = batch.micro_batches()
 
         def loss_for(index: int, prep: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
-            logp_T, ent_T = self._logits_to_logp(logits, prep, with_entropy=needs_entropy)
-            out = loss_fn(logp_T, _to_device(mbs[index], logp_T.device), ent_T)
+            logp_T, ent_T = self._head(logits, prep, with_entropy=needs_entropy)
+            out = loss_fn(logp_T, to_device(mbs[index], logp_T.device), ent_T)
             record(out)
             loss = out.loss
             if not loss.requires_grad:  # the stage before still needs a (zero) gradient
                 loss = loss + 0.0 * logp_T.sum()
             return loss
 
-        self._run_pipeline(mbs, loss_for, forward_only=False)
+        self._run(mbs, loss_for, forward_only=False)
 
 
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """``batch`` with every tensor field on ``device`` (itself when already there)."""
     if batch.tokens.device == device:
         return batch
     moved = {
