@@ -2,7 +2,7 @@
 time, when a step is cut into several micro-batches.
 
 ``HFPolicy`` computes the prompt that sequences of one micro-batch share once
-(``share_prefix``). The trainer's plan (``rl_trainer.stages.plan``) either packs a rank's
+(``share_prefix``). The trainer's plan (``rl_trainer.step.packing.plan``) either packs a rank's
 samples one by one (``token``: token balance only, the planner before prefix groups) or keeps
 each GRPO group in one micro-batch (``grouped``: ``rl_buffer.schedule_step(prefix_groups=...)``,
 what a policy with ``shares_prefixes`` gets). Each case is the demo recipe without its SFT
@@ -40,7 +40,7 @@ PLANS = ("token", "grouped")
 def run_case(plan: str, cap: int, steps: int, work: Path) -> dict[str, Any]:
     """One training run in this process (the worker side): the counts and timings."""
     import rl_hf._packed_attention as packed
-    import rl_trainer.step.stages as stages
+    import rl_trainer.step.packing as stages
     from rl_core.config import load_config_file
     from rl_trainer.cli import recipe_path
     from rl_trainer.config import load_trainer_config

@@ -204,10 +204,16 @@ def run_case(
     class ProfTrainer(Trainer):
         """Trainer whose emitted records are kept, and whose RL models get timed once built."""
 
-        def emit(self, r: dict[str, Any]) -> None:
-            with T.region("emit"):
-                super().emit(r)
-            records.append(dict(r))
+        def _init(self, config: Any) -> None:
+            super()._init(config)
+            emit = self.run_state.emit  # the run's records go through RunState.emit
+
+            def timed_emit(r: dict[str, Any]) -> None:
+                with T.region("emit"):
+                    emit(r)
+                records.append(dict(r))
+
+            self.run_state.emit = timed_emit  # type: ignore[method-assign]
 
     # Module-level stage functions (looked up at call time by their callers).
     for name in ("produce_round", "take_groups", "rl_batch", "plan_and_pack", "advantages"):
@@ -230,7 +236,7 @@ def run_case(
     orig_train = stages.train
 
     def train(run: Any, groups: Any) -> Any:
-        step = run.state["rl_step"] + 1
+        step = run.counters.rl_step + 1
         if profile and step == total:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as tprof
@@ -247,12 +253,12 @@ def run_case(
     t_meas: dict[str, float] = {}
 
     async def rl_step(trainer: Any) -> Any:
-        step = trainer.state["rl_step"] + 1
+        step = trainer.counters.rl_step + 1
         if step == warmup + 1:  # measured steps start
             T.on = True
             t_meas["w0"], t_meas["c0"] = time.perf_counter(), time.process_time()
             if not prof_state.get("wrapped"):
-                pol = trainer.policy
+                pol = trainer.models.policy
                 T.wrap(pol.model, "forward", "forward")
                 T.wrap(pol.optimizer, "step", "optimizer")
                 loss_fn = trainer.parts.loss_fn
