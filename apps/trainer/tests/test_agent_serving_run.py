@@ -91,6 +91,9 @@ def test_partial_rollouts_with_sync_agents_at_64_sessions_complete(
     for r in rows:
         assert not any(k.startswith("rollout/failed/") for k in r), r
         assert r["rollout/staleness_max"] <= 1
+        # Watch: every step logs what the sessions did (two chat turns each, no tool calls).
+        assert r["rollout/agent/sessions"] == 64 and r["rollout/agent/turns_mean"] == 2.0
+        assert r["rollout/agent/tool_calls"] == 0 and "rollout/agent/ill_formed" in r
     # The weight releases cut agent turns short and the counters say so.
     assert sum(r["rollout/partial_interruptions"] for r in rows) >= 1
     assert sum(r["rollout/partial_resumed"] for r in rows) >= 1

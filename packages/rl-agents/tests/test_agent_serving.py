@@ -208,3 +208,26 @@ def test_task_urls_and_env():
         "RL_SERVER_URL": "http://127.0.0.1:9",
         "RL_MODEL": "policy",
     }
+
+
+def reporting_agent(task: AgentTask) -> dict:
+    """Reports a failed tool call with its reward."""
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=2)
+    return {"reward": 0.5, "tool_errors": 2}
+
+
+def test_agents_report_tool_errors_with_their_reward(hf_gen, tok, tmp_path: Path):
+    fn = AgentRollout(AgentRollout.Config(program=f"{__name__}:reporting_agent", timeout_s=60))
+    (r,) = _run_step(fn, hf_gen, tok, prompts=1, n=1)
+    assert r.reward == 0.5 and r.metadata["tool_errors"] == 2
+    assert r.metadata["session_turns"] == 1 and r.metadata["tool_calls"] == 0
+    script = tmp_path / "report.py"
+    script.write_text('import json; print(json.dumps({"reward": 1.0, "tool_errors": 3}))\n')
+    fn = AgentRollout(AgentRollout.Config(command=[sys.executable, str(script)], timeout_s=60))
+    (r,) = _run_step(fn, hf_gen, tok, prompts=1, n=1)
+    # No model call: a failed session, but the report's counts are kept.
+    assert r.metadata["tool_errors"] == 3
+    script.write_text('import json; print(json.dumps({"reward": 1.0, "tool_errors": -1}))\n')
+    (r,) = _run_step(fn, hf_gen, tok, prompts=1, n=1)
+    assert r.status == RolloutStatus.FAILED and "tool_errors=-1" in r.metadata["failure"]

@@ -189,7 +189,9 @@ def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from rl_trainer.show import show_samples
 
-    show_samples(args.run_dir, step=args.step, tokens=args.tokens)
+    show_samples(
+        args.run_dir, step=args.step, tokens=args.tokens, turns=args.turns, session=args.session
+    )
     return 0
 
 
@@ -307,11 +309,24 @@ def main(argv: list[str] | None = None) -> int:
         "metrics.jsonl)",
     )
     evl.set_defaults(fn=_cmd_eval)
-    shw = sub.add_parser("show", help="print a run's sample traces (logging.samples_every)")
-    shw.add_argument("run_dir")
+    shw = sub.add_parser(
+        "show",
+        help="print a run's sample traces (logging.samples_every) or a rollout dump "
+        "(rollout.dump_dir), optionally session by session, turn by turn",
+    )
+    shw.add_argument("run_dir", help="a run directory, or a dump directory (holds dump.json)")
     shw.add_argument("--step", type=int, default=None, help="RL step (default: the last traced)")
     shw.add_argument(
         "--tokens", action="store_true", help="also print each token with its log-probs"
+    )
+    shw.add_argument(
+        "--turns",
+        action="store_true",
+        help="also print each rollout turn by turn (its loss-mask regions: model turns and "
+        "the tool / template text between them)",
+    )
+    shw.add_argument(
+        "--session", default=None, help="only this agent session's rollouts, turn by turn"
     )
     shw.set_defaults(fn=_cmd_show)
     rec = sub.add_parser("recipes", help="list bundled example recipes and algorithm presets")

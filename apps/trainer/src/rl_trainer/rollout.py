@@ -47,12 +47,14 @@ from rl_trainer.failures import Failure, FailureReasons, check_round
 from rl_trainer.lifecycle import stopping
 
 __all__ = [
+    "AGENT_COUNTS",
     "GuardedFilter",
     "PartialStats",
     "RolloutStats",
     "RunStopped",
     "Scorer",
     "WeightUpdates",
+    "agent_metrics",
     "check_generate_fn",
     "derive_seed",
     "filter_groups",
@@ -200,6 +202,48 @@ async def generate_groups(
         return Group(prompt=p, rollouts=rollouts)
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+AGENT_COUNTS: dict[str, str] = {
+    "session_turns": "turns",
+    "tool_calls": "tool_calls",
+    "ill_formed": "ill_formed",
+    "template_mismatch": "template_mismatch",
+    "tool_errors": "tool_errors",
+}
+"""Per-session counts an agent rollout carries in its metadata (set by
+:class:`~rl_agents.session.Session` and the agent's report) -> the name of their metric in
+:func:`agent_metrics`."""
+
+
+def agent_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """What the round's agent sessions did (``rollout/agent/*``), from the counts in the
+    rollouts' metadata (:data:`AGENT_COUNTS`). A session's rollouts (one ``rollout_id``: merged
+    turns, forks, sub-agents) carry the same counts, so each session counts once:
+    ``rollout/agent/sessions``; per count ``rollout/agent/<count>`` (the round's total) and
+    ``rollout/agent/<count>_mean`` (per session); ``rollout/agent/trajectories_mean``
+    (rollouts per session: above 1 when the agent rewrote its history or forked). Empty
+    when no rollout carries a count (not an agent run), so other runs log nothing new."""
+    sessions: dict[str, Rollout] = {}
+    trajectories: Counter[str] = Counter()
+    for r in rollouts:
+        if any(k in r.metadata for k in AGENT_COUNTS):
+            sessions.setdefault(r.rollout_id, r)
+            trajectories[r.rollout_id] += 1
+    if not sessions:
+        return {}
+    out: dict[str, float] = {"rollout/agent/sessions": float(len(sessions))}
+    for key, name in AGENT_COUNTS.items():
+        values = [
+            float(v)
+            for r in sessions.values()
+            if isinstance(v := r.metadata.get(key), int | float) and not isinstance(v, bool)
+        ]
+        if values:
+            out[f"rollout/agent/{name}"] = float(sum(values))
+            out[f"rollout/agent/{name}_mean"] = sum(values) / len(values)
+    out["rollout/agent/trajectories_mean"] = sum(trajectories.values()) / len(sessions)
+    return out
 
 
 class RunStopped(RLError):

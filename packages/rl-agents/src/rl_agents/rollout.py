@@ -19,7 +19,11 @@ subprocess (``command: ["python", "agent.py"]``: ``python`` means the trainer's 
 ``ANTHROPIC_API_KEY`` (the keys are the session id), ``RL_SERVER_URL`` (the root), ``RL_MODEL``
 (the served model name) and ``RL_TASK`` (JSON with the prompt's ``input``, ``label`` and
 ``metadata``; the same JSON comes on stdin). If the last line it prints is a JSON object with a
-numeric ``"reward"``, that is the session's reward.
+numeric ``"reward"``, that is the session's reward. A program may report counts with its
+reward (:data:`REPORTED_COUNTS`: ``tool_errors``, the tool calls that failed), by returning
+``{"reward": x, "tool_errors": n}`` or printing it as its last line; with the server's own
+counts (turns, tool calls, ill-formed calls, template mismatches) they are in every rollout's
+metadata and the trainer logs them per step (``rollout/agent/*``).
 
 Concurrency is set by the config: at most ``max_sessions`` sessions run at once (across every
 prompt of the step; the others wait their turn), at most ``max_subprocesses`` of them as
@@ -49,7 +53,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -281,6 +285,8 @@ class AgentRollout:
         try:
             if self._fn is not None:
                 reward = await asyncio.wait_for(self._call(task), self.config.timeout_s)
+                if isinstance(reward, Mapping):
+                    reward, extra = _report(reward, sid)
             else:
                 reward, extra = await self._run_command(task)
             if reward is not None:
@@ -357,7 +363,8 @@ class AgentRollout:
             except json.JSONDecodeError:
                 last = None
             if isinstance(last, dict) and "reward" in last:
-                reward = last["reward"]
+                reward, counts = _report(last, self.argv[0])
+                return reward, {**counts, "agent_stdout": stdout[-2000:]}
         return reward, {"agent_stdout": stdout[-2000:]}
 
 
@@ -438,6 +445,26 @@ class SessionReward:
                 "function that scores the response."
             )
         return float(rollout.metadata["session_reward"])
+
+
+REPORTED_COUNTS = ("tool_errors",)
+"""Counts an agent may report with its reward (a returned mapping, or the keys of its last
+JSON line): stored in the rollouts' metadata and aggregated into the trainer's
+``rollout/agent/*`` metrics."""
+
+
+def _report(report: Mapping[str, Any], who: str) -> tuple[Any, dict[str, int]]:
+    """``(reward, counts)`` of an agent's report ``{"reward": x, "tool_errors": n}``."""
+    counts = {}
+    for key in REPORTED_COUNTS:
+        if key in report:
+            value = report[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RewardError(
+                    f"agent {who}: reported {key}={value!r}; expected a whole number >= 0."
+                )
+            counts[key] = value
+    return report.get("reward"), counts
 
 
 def _as_reward(value: Any, sid: str) -> float:

@@ -43,8 +43,21 @@ PANELS = [
     ("Step time (s)", [key for key, _ in STEP_TIME]),
     ("Staleness (versions)", ["rollout/staleness_mean", "rollout/staleness_max"]),
     ("Log-prob mismatch", ["train/mismatch", "train/tis_clipfrac"]),
+    (  # agent runs only (rl_trainer.rollout.agent_metrics); drawn when a record has them
+        "Agent sessions (per session; problems: round totals)",
+        [
+            "rollout/agent/turns_mean",
+            "rollout/agent/tool_calls_mean",
+            "rollout/agent/ill_formed",
+            "rollout/agent/template_mismatch",
+            "rollout/agent/tool_errors",
+        ],
+    ),
 ]
 """The panels: title and the metrics drawn in it."""
+
+OPTIONAL_PANELS = {"Agent sessions (per session; problems: round totals)"}
+"""Panels left out of a figure whose runs hold none of their metrics."""
 
 _STYLES = ["-", "--", ":", "-."]
 
@@ -114,9 +127,15 @@ def build_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 3 * len(PANELS)), sharex=True)
+    panels = [
+        (title, keys)
+        for title, keys in PANELS
+        if title not in OPTIONAL_PANELS
+        or any(k in r for records in runs.values() for r in records for k in keys)
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3 * len(panels)), sharex=True)
     single = len(runs) == 1
-    for ax, (title, keys) in zip(axes, PANELS):
+    for ax, (title, keys) in zip(axes, panels):
         for k, (name, records) in enumerate(runs.items()):
             if single:
                 _draw_run(ax, title, keys, records, None, None)

@@ -38,6 +38,7 @@ from rl_trainer.failures import exhausted_error
 from rl_trainer.rollout import (
     PartialStats,
     RolloutStats,
+    agent_metrics,
     filter_groups,
     generate_groups,
     generate_groups_resumable,
@@ -256,6 +257,7 @@ def round_metrics(
         )
     record["rollout/response_len_mean"] = _mean([r.response_length for r in all_scored])
     record["rollout/truncated_frac"] = _mean([float(r.status == "truncated") for r in all_scored])
+    record.update(agent_metrics(all_scored))  # agent sessions' turns, tool calls, ... (if any)
     return record
 
 
