@@ -2,8 +2,8 @@
 
 A model writes its tool calls and its reasoning in the format its chat template taught it. Each
 :class:`ResponseFormat` here is a *response template* in transformers' declarative format (the
-``response_template`` of :meth:`transformers.PreTrainedTokenizerBase.parse_response`), run by
-transformers' own streaming :class:`~transformers.utils.chat_parsing.ResponseParser`: no
+``response_template`` of transformers' ``tokenizer.parse_response``), run by transformers' own
+streaming ``transformers.utils.chat_parsing.ResponseParser``: no
 hand-written parsing loop. The Hermes/Qwen and Qwen3-Coder templates are transformers' own
 (``transformers/cli/serving/utils.py``, 5.24); the Llama 3.x, Mistral and DeepSeek ones are
 written in the same format after SGLang's function-call detectors (``llama32``, ``mistral``,
