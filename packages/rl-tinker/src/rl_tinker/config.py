@@ -44,7 +44,7 @@ class ServiceConfig:
     """Sampler snapshots kept loaded per base model (least recently used dropped)."""
     max_sample_tokens: Annotated[int, Range(ge=1)] = 4096
     """Cap on ``max_tokens`` of a sample request."""
-    future_poll_s: Annotated[float, Range(gt=0)] = 5.0
+    future_poll_s: Annotated[float, Range(gt=0, le=40)] = 20.0
     """How long ``retrieve_future`` holds a poll for a result before answering try-again."""
     tags: list[str] = field(default_factory=list)
     """Free labels (reported in ``/metrics``)."""
