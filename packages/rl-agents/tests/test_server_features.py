@@ -397,7 +397,10 @@ def test_llama_family_tool_calls_through_the_server(tok):
     assert msg.content[0].type == "tool_use" and msg.content[0].input == {"a": 2, "b": 3}
 
 
-def test_client_disconnect_aborts_the_generation(tok):
+@pytest.mark.parametrize("abortable", [True, False])
+def test_client_disconnect_aborts_the_generation(tok, abortable):
+    """A client gone mid-generation: the engine's abort is called (when it has one) and no turn
+    is recorded; without abort the result is dropped when it comes."""
     import aiohttp
 
     async def body(server, oa, an):
@@ -410,14 +413,26 @@ def test_client_disconnect_aborts_the_generation(tok):
                     headers={"Authorization": "Bearer s"},
                     timeout=aiohttp.ClientTimeout(total=0.5),
                 )
-        for _ in range(100):
-            if gen.aborted:
+        for _ in range(100):  # until the engine returned (aborted, or the slow one finished)
+            if gen.results:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)
         return list(server.sessions["s"].turns)
 
     gen = Scripted(tok, ["never seen"], hang=True)
+    if not abortable:
+        gen.supports_abort = False
+        gen.hang = False
+        gen.generate = _slow(gen.generate)
     turns = _serve(gen, tok, body)
-    assert gen.aborted == [gen.requests[0].request_id]
-    assert turns == []
+    assert gen.aborted == ([gen.requests[0].request_id] if abortable else [])
+    assert len(gen.results) == 1 and turns == []
+
+
+def _slow(generate):
+    async def slow(requests):
+        await asyncio.sleep(1.0)
+        return await generate(requests)
+
+    return slow

@@ -73,6 +73,7 @@ must be those of the policy being trained), unless ``Config.client_sampling`` is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import uuid
@@ -511,7 +512,8 @@ class AgentServer:
             await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if not task.done() and _disconnected(request):
                 if getattr(self.generator, "supports_abort", False):
-                    await self.generator.abort([gen_request.request_id])
+                    with contextlib.suppress(NotImplementedError):  # a wrapper's inner lacks it
+                        await self.generator.abort([gen_request.request_id])
                 task.add_done_callback(_swallow)
                 raise HTTPError(
                     499, "the client disconnected; generation aborted", "client_disconnected"

@@ -118,7 +118,7 @@ def parse(body: Mapping[str, Any], adapter: str | None = None) -> ChatRequest:
         seed=None,
         adapter=adapter,
         thinking=switch,
-        stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences", limit=64),
         user=str(metadata["user_id"])
         if isinstance(metadata, Mapping) and metadata.get("user_id")
         else None,
