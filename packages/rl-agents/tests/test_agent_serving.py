@@ -231,3 +231,17 @@ def test_agents_report_tool_errors_with_their_reward(hf_gen, tok, tmp_path: Path
     script.write_text('import json; print(json.dumps({"reward": 1.0, "tool_errors": -1}))\n')
     (r,) = _run_step(fn, hf_gen, tok, prompts=1, n=1)
     assert r.status == RolloutStatus.FAILED and "tool_errors=-1" in r.metadata["failure"]
+
+
+def test_sandbox_max_concurrent_caps_the_commands_running_at_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl_agents.tools.sandbox import Sandbox
+
+    box = Sandbox(Sandbox.Config(max_concurrent=2, accept_weak_isolation=True))
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: box.run("import time; time.sleep(0.3)"), range(6)))
+    assert all(r.ok for r in results), results
+    assert box.peak_running == 2 and box.running == 0
+    with pytest.raises(ConfigError, match="sandbox.max_concurrent"):
+        Sandbox.Config(max_concurrent=0)

@@ -469,12 +469,21 @@ class Sandbox:
         """The interpreter that runs Python code (and the launcher of shell commands)."""
         env: dict[str, str] = field(default_factory=dict)
         """Extra environment variables for the code."""
+        max_concurrent: PositiveInt | None = None
+        """Sandboxed commands running at once at most, over every episode of this
+        :class:`Sandbox` (the others wait their turn: agent sessions share the machine);
+        ``None``: no limit besides the sessions running (``generate_fn.max_sessions``)."""
 
         def __post_init__(self) -> None:
             for name in ("timeout_s", "cpu_time_s", "memory_mb", "max_processes",
                          "file_size_mb", "max_open_files", "max_output_bytes"):  # fmt: skip
                 if not getattr(self, name) > 0:
                     raise ConfigError(f"sandbox.{name}: must be > 0, got {getattr(self, name)}.")
+            n = self.max_concurrent
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ConfigError(
+                    f"sandbox.max_concurrent: a whole number >= 1 or null, got {n!r}."
+                )
             if self.isolation not in ("auto", "bwrap", "namespace", "rlimits"):
                 raise ConfigError(
                     "sandbox.isolation: expected auto, bwrap, namespace or rlimits, got "
@@ -503,6 +512,13 @@ class Sandbox:
             )  # fmt: skip
         self.isolation: str = mode
         """The mode runs use: ``bwrap``, ``namespace`` or ``rlimits``."""
+        n = self.config.max_concurrent
+        self._slots = threading.BoundedSemaphore(n) if n is not None else None
+        self._lock = threading.Lock()
+        self.running = 0
+        """Commands running now (at most ``Config.max_concurrent``)."""
+        self.peak_running = 0
+        """The most commands that ran at once."""
         self.python, drops = _interpreter(self.config.python, drop)
         self.drops_root: bool = drops and _is_root()
         """The interpreter runs use, and whether they run as an episode uid of their own (see
@@ -570,7 +586,28 @@ class Sandbox:
     ) -> SandboxResult:
         """Run ``code_file`` (Python, audit hook on) or ``argv`` (a command) in ``root``, as
         ``uid`` when the sandbox drops root (an :class:`Episode`'s own; ``None``: a fresh one).
-        Every process the command started is killed when it ends or times out."""
+        Every process the command started is killed when it ends or times out. With
+        ``Config.max_concurrent``, waits for a free slot first (the time limit starts when the
+        command does)."""
+        with self._slots if self._slots is not None else contextlib.nullcontext():
+            with self._lock:
+                self.running += 1
+                self.peak_running = max(self.peak_running, self.running)
+            try:
+                return self._launch(root, code_file=code_file, argv=argv, stdin=stdin, uid=uid)
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+    def _launch(
+        self,
+        root: Path,
+        *,
+        code_file: str | None,
+        argv: Sequence[str],
+        stdin: str,
+        uid: int | None,
+    ) -> SandboxResult:
         if uid is None and self.drops_root:
             uid = _new_episode_uid()
             _give_away(root, uid)
