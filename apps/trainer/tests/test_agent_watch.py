@@ -18,16 +18,16 @@ from rl_trainer.rollout import agent_metrics
 from rl_trainer.show import mask_regions, show_samples
 
 
-def _rollout(rid: str, **meta) -> Rollout:
+def _rollout(rid: str, versions=(0, 0, 0), **meta) -> Rollout:
     return Rollout(
         prompt_uid="p",
         rollout_id=rid,
         sample_id=f"{rid}/{len(meta)}",
-        tokens=(1, 2, 3),
+        tokens=(1, 2, 3, 4),
         response_start=1,
-        loss_mask=(1, 1),
-        rollout_logprobs=(-0.1, -0.1),
-        versions=(0, 0),
+        loss_mask=(1, 0, 1),
+        rollout_logprobs=(-0.1, 0.0, -0.1),
+        versions=versions,
         metadata=meta,
     )
 
@@ -38,13 +38,17 @@ def test_agent_metrics_count_each_session_once():
         _rollout("s1", **counts),
         _rollout("s1", **counts, tool_errors=1),  # a fork of s1: the same session's counts
         _rollout("s2", session_turns=1, tool_calls=0, ill_formed=0, template_mismatch=1),
+        # a weight update between its turns (the masked tool token's version does not count)
+        _rollout("s3", versions=(0, 1, 1), session_turns=2),
+        _rollout("s4", versions=(0, 1, 0), session_turns=2),
     ]
     m = agent_metrics(rs)
-    assert m["rollout/agent/sessions"] == 2
-    assert m["rollout/agent/turns"] == 4 and m["rollout/agent/turns_mean"] == 2.0
+    assert m["rollout/agent/sessions"] == 4
+    assert m["rollout/agent/turns"] == 8 and m["rollout/agent/turns_mean"] == 2.0
     assert m["rollout/agent/tool_calls"] == 2 and m["rollout/agent/tool_calls_mean"] == 1.0
     assert m["rollout/agent/ill_formed"] == 1 and m["rollout/agent/template_mismatch"] == 1
-    assert m["rollout/agent/trajectories_mean"] == 1.5
+    assert m["rollout/agent/trajectories_mean"] == 1.25
+    assert m["rollout/agent/multi_version"] == 1
     assert "rollout/agent/tool_errors" not in m  # s1's first rollout stands for the session
     assert agent_metrics([_rollout("x")]) == {}  # not an agent run: nothing new is logged
 

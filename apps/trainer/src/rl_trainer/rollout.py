@@ -222,14 +222,20 @@ def agent_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
     turns, forks, sub-agents) carry the same counts, so each session counts once:
     ``rollout/agent/sessions``; per count ``rollout/agent/<count>`` (the round's total) and
     ``rollout/agent/<count>_mean`` (per session); ``rollout/agent/trajectories_mean``
-    (rollouts per session: above 1 when the agent rewrote its history or forked). Empty
-    when no rollout carries a count (not an agent run), so other runs log nothing new."""
+    (rollouts per session: above 1 when the agent rewrote its history or forked);
+    ``rollout/agent/multi_version`` (sessions whose trained tokens came from more than one
+    policy version: a weight update landed during the session, between turns or inside a
+    resumed turn). Empty when no rollout carries a count (not an agent run), so other runs
+    log nothing new."""
     sessions: dict[str, Rollout] = {}
     trajectories: Counter[str] = Counter()
+    versions: dict[str, set[int]] = {}
     for r in rollouts:
         if any(k in r.metadata for k in AGENT_COUNTS):
             sessions.setdefault(r.rollout_id, r)
             trajectories[r.rollout_id] += 1
+            trained = (v for v, m in zip(r.versions, r.loss_mask, strict=False) if m)
+            versions.setdefault(r.rollout_id, set()).update(trained)
     if not sessions:
         return {}
     out: dict[str, float] = {"rollout/agent/sessions": float(len(sessions))}
@@ -243,6 +249,7 @@ def agent_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
             out[f"rollout/agent/{name}"] = float(sum(values))
             out[f"rollout/agent/{name}_mean"] = sum(values) / len(values)
     out["rollout/agent/trajectories_mean"] = sum(trajectories.values()) / len(sessions)
+    out["rollout/agent/multi_version"] = float(sum(len(v) > 1 for v in versions.values()))
     return out
 
 
