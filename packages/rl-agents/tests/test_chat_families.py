@@ -20,11 +20,14 @@ CASES = FIXTURES["families"]
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_each_family_parses_calls_rendered_by_its_own_template(family):
     case = CASES[family]
-    parsed = FAMILIES[family].parse(case["completion"], prompt=case["prompt"])
+    parsed = FAMILIES[family].parse(
+        case["completion"], prompt=case["prompt"], tools=case.get("tools")
+    )
     assert not parsed.ill_formed
     got = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in parsed.tool_calls]
-    assert got == case["expected"]["tool_calls"]
+    assert got == case["expected"]["tool_calls"]  # GLM's "2" cast to 2 by the tool schema
     assert parsed.content == case["expected"]["content"]
+    assert parsed.reasoning == case["expected"].get("reasoning")
     assert len({c.id for c in parsed.tool_calls}) == len(parsed.tool_calls)
 
 
@@ -98,6 +101,8 @@ def test_family_detection_and_errors():
     assert detect_family("[INST] [TOOL_CALLS]") == "mistral"
     assert detect_family("<｜Assistant｜><｜tool▁calls▁begin｜>") == "deepseek"
     assert detect_family("<tool_call><function=") == "qwen3_coder"
+    assert detect_family("<tool_call>{{ name }}<arg_key>") == "glm"
+    assert detect_family("<|im_assistant|><|tool_calls_section_begin|>") == "kimi_k2"
     assert response_format("auto", "{{ messages }}", native_tools=False).name == "hermes"
     with pytest.raises(ConfigError, match="agents.chat.family: unknown model family 'gpt5'"):
         response_format("gpt5")
@@ -133,3 +138,23 @@ def test_a_prompt_without_the_familys_anchor_is_not_read_as_the_message():
     assert [c.name for c in call.tool_calls] == ["f"] and call.content is None
     thought = FAMILIES["hermes"].parse("plan</think>ok", prompt="user: hi\n<think>\n")
     assert thought.reasoning == "plan" and thought.content == "ok"
+
+
+def test_json_arguments_keep_the_models_types_text_arguments_are_cast():
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+            },
+        }
+    ]
+    hermes = FAMILIES["hermes"].parse(
+        '<tool_call>{"name": "f", "arguments": {"n": "7"}}</tool_call>', tools=tools
+    )
+    assert json.loads(hermes.tool_calls[0].arguments) == {"n": "7"}
+    glm = FAMILIES["glm"].parse(
+        "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n</tool_call>", tools=tools
+    )
+    assert json.loads(glm.tool_calls[0].arguments) == {"n": 7}

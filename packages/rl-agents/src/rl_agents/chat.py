@@ -186,13 +186,23 @@ class ChatFormat:
 
     # ----------------------------------------------------------------------------- parse
     def parse_completion(
-        self, text: str, *, prompt: str = "", tools_enabled: bool = True
+        self,
+        text: str,
+        *,
+        prompt: str = "",
+        tools_enabled: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ParsedCompletion:
         """Split a completion's text (decoded with its special tokens, without the final stop
-        token) into content, reasoning and tool calls in the family's format; special tokens
-        are removed from the content and reasoning returned."""
+        token) into content, reasoning and tool calls in the family's format (arguments
+        written as text cast to the ``tools``' schemas); special tokens are removed from the
+        content and reasoning returned."""
         return self.format.parse(
-            text, prompt=prompt, tools_enabled=tools_enabled, clean=self._strip_specials
+            text,
+            prompt=prompt,
+            tools_enabled=tools_enabled,
+            tools=tools,
+            clean=self._strip_specials,
         )
 
     def _strip_specials(self, text: str) -> str:

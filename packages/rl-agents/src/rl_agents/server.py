@@ -471,7 +471,9 @@ class AgentServer:
         shown = raw
         if stop_at is not None:
             shown = raw[: raw.find(stop_at)] if stop_at in raw else raw
-        parsed = self.chat.parse_completion(shown, prompt=text, tools_enabled=req.tools_enabled)
+        parsed = self.chat.parse_completion(
+            shown, prompt=text, tools_enabled=req.tools_enabled, tools=req.tools
+        )
         turn = TurnRecord(
             prompt_ids=ids,
             result=result,

@@ -21,7 +21,14 @@ family         tool calls                                                    rea
 ``mistral``    ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``      none
 ``deepseek``   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a json    ``<think>...</think>``
                block (V3, R1)                                                (R1)
+``glm``        ``<tool_call>NAME`` + ``<arg_key>K</arg_key><arg_value>V``     ``<think>...</think>``
+               ``</arg_value>`` pairs (GLM-4.5, 4.6)
+``kimi_k2``    ``<|tool_call_begin|>functions.NAME:i<|tool_call_argument_``   ``<think>...</think>``
+               ``begin|>{json}<|tool_call_end|>`` (Kimi K2, K2-Thinking)     (K2-Thinking)
 =============  ===========================================================  ==================
+
+Arguments written as text (Qwen3-Coder, GLM) are cast with the request's tool schemas
+(``"2"`` becomes ``2`` for an integer parameter), as transformers' parser does.
 
 :func:`response_format` picks one by name, or (``"auto"``) from the chat template's source.
 The prompt the completion continues is passed to the parser, so a template that opens the
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,6 +189,62 @@ def _mistral_template() -> dict[str, Any]:
     }
 
 
+def _glm_template() -> dict[str, Any]:
+    # After SGLang's Glm4MoeDetector: <tool_call>NAME then <arg_key>/<arg_value> pairs.
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|assistant|>",
+        "fields": {
+            "reasoning_content": dict(_THINK),
+            "tool_calls": {
+                "open_pattern": r"\s*<tool_call>\s*(?P<name>[\w.\-]+)\s*(?=\n|<)",
+                "close": "</tool_call>",
+                "repeats": True,
+                "content": "xml-inline",
+                "content_args": {
+                    "tag_pattern": (
+                        r"<arg_key>\s*(?P<key>.*?)\s*</arg_key>\s*"
+                        r"<arg_value>(?P<value>.*?)</arg_value>"
+                    ),
+                },
+                "transform": {
+                    "type": "function",
+                    "function": {"name": "{name}", "arguments": "{content}"},
+                },
+            },
+            "content": {
+                "close_pattern": r"\s*(?:<\|user\|>|<\|observation\|>|<\|endoftext\|>)",
+                "content": "text",
+            },
+        },
+    }
+
+
+def _kimi_k2_template() -> dict[str, Any]:
+    # After SGLang's KimiK2Detector: the call id "functions.NAME:i" carries the name.
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
+        "fields": {
+            "reasoning_content": dict(_THINK),
+            "tool_calls": {
+                "open_pattern": (
+                    r"\s*(?:<\|tool_calls_section_begin\|>)?\s*<\|tool_call_begin\|>\s*"
+                    r"(?:functions\.)?(?P<name>[\w.\-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>"
+                ),
+                "close_pattern": r"\s*<\|tool_call_end\|>\s*(?:<\|tool_calls_section_end\|>)?",
+                "repeats": True,
+                "content": "json",
+                "transform": {
+                    "type": "function",
+                    "function": {"name": "{name}", "arguments": "{content}"},
+                },
+            },
+            "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
+        },
+    }
+
+
 def _deepseek_template() -> dict[str, Any]:
     # After SGLang's DeepSeekV3Detector: <｜tool▁calls▁begin｜> then per call
     # <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>.
@@ -233,10 +296,12 @@ class ResponseFormat:
         *,
         prompt: str = "",
         tools_enabled: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         clean: Any = None,
     ) -> ParsedCompletion:
         """Split completion ``text`` (special tokens kept) into content, reasoning and tool
-        calls. ``prompt`` is the rendered prompt it continues; ``clean`` (text -> text) removes
+        calls. ``prompt`` is the rendered prompt it continues; ``tools`` (OpenAI tool
+        definitions) cast arguments written as text to their schema's types; ``clean`` removes
         special tokens from the returned content and reasoning. A call that does not parse
         makes the whole (cleaned) text the content, with ``ill_formed`` set."""
         from transformers.utils.chat_parsing import ResponseParser
@@ -260,7 +325,10 @@ class ResponseFormat:
             # prompt left the reasoning open.
             prompt = "<think>\n" if opened else ""
         try:
-            parser = ResponseParser(template, prefix=prompt)
+            # Only arguments written as text are cast; JSON arguments keep the model's types.
+            as_text = template["fields"].get("tool_calls", {}).get("content") != "json"
+            schemas = [dict(t) for t in tools or []] if as_text else []
+            parser = ResponseParser(template, prefix=prompt, tools=schemas or None)
             events = [*parser.initial_events, *parser.feed(text), *parser.finalize()[1]]
             for e in events:
                 if e.get("type") == "region_close" and e.get("field") in values:
@@ -304,6 +372,18 @@ def _calls(value: Any) -> list[ToolCall]:
 FAMILIES: dict[str, ResponseFormat] = {
     f.name: f
     for f in (
+        ResponseFormat(
+            "glm",
+            _glm_template(),
+            markers=("<arg_key>",),
+            triggers=("<tool_call>", "<think>", "</think>"),
+        ),
+        ResponseFormat(
+            "kimi_k2",
+            _kimi_k2_template(),
+            markers=("<|tool_calls_section_begin|>", "<|im_assistant|>"),
+            triggers=("<|tool_call_begin|>", "<think>", "</think>"),
+        ),
         ResponseFormat(
             "qwen3_coder",
             _qwen3_coder_template(),
