@@ -359,20 +359,7 @@ class BaseModel:
         outputs: list[dict[str, np.ndarray]] = []
         total = 0.0
         tokens = 0
-        prepared = []
-        for i, d in enumerate(data):
-            self._check_tokens(d.tokens)
-            target = d.inputs.get("target_tokens")
-            if target is None:
-                raise UserError(f"datum {i}: loss_fn_inputs needs 'target_tokens'.")
-            target = target.reshape(-1).astype(np.int64)
-            if target.size != d.tokens.size:
-                raise UserError(
-                    f"datum {i}: target_tokens has {target.size} ids for {d.tokens.size} input "
-                    "tokens; give one target per input position."
-                )
-            self._check_tokens(target)
-            prepared.append((d, target))
+        prepared = self.prepare(data)
         with self._active(tenant.adapter, train=backward) as model:
             for d, target in prepared:
                 ids = torch.from_numpy(d.tokens.astype(np.int64)).to(self.device)[None]
@@ -394,6 +381,91 @@ class BaseModel:
         if backward:
             tenant.tokens_trained += tokens
         return outputs, {"loss:sum": total, "tokens:sum": float(tokens)}
+
+    def prepare(self, data: Sequence[DatumInput]) -> list[tuple[DatumInput, np.ndarray]]:
+        """Check every datum (tokens in range and context, one target per input token).
+
+        Raises:
+            UserError: the first datum that does not fit, by index.
+        """
+        prepared = []
+        for i, d in enumerate(data):
+            self._check_tokens(d.tokens)
+            target = d.inputs.get("target_tokens")
+            if target is None:
+                raise UserError(f"datum {i}: loss_fn_inputs needs 'target_tokens'.")
+            target = target.reshape(-1).astype(np.int64)
+            if target.size != d.tokens.size:
+                raise UserError(
+                    f"datum {i}: target_tokens has {target.size} ids for {d.tokens.size} input "
+                    "tokens; give one target per input position."
+                )
+            self._check_tokens(target)
+            prepared.append((d, target))
+        return prepared
+
+    def forward_backward_many(
+        self,
+        items: Sequence[tuple[Tenant, Sequence[DatumInput], str, Mapping[str, float]]],
+        *,
+        backward: bool,
+    ) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
+        """Several tenants' requests ``(tenant, data, loss_fn, config)`` as ONE multi-LoRA
+        batch: every datum a row (right-padded), each row through its own tenant's adapter
+        (peft's mixed-adapter forward), one backward of the summed losses. Each adapter's
+        gradient comes from its own rows only, so each tenant gets what
+        :meth:`forward_backward` gives it alone, within float rounding (not bitwise: the base
+        model's matrix products run on a different batch shape).
+
+        Each item must have passed :meth:`prepare`.
+        """
+        rows: list[tuple[int, DatumInput, np.ndarray]] = []
+        for j, (_, data, _, _) in enumerate(items):
+            for d, target in self.prepare(data):
+                rows.append((j, d, target))
+        if not rows:
+            return [([], {"loss:sum": 0.0, "tokens:sum": 0.0}) for _ in items]
+        width = max(d.tokens.size for _, d, _ in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, (_, d, _) in enumerate(rows):
+            ids[r, : d.tokens.size] = torch.from_numpy(d.tokens.astype(np.int64))
+            mask[r, : d.tokens.size] = 1
+        names = [items[j][0].adapter for j, _, _ in rows]
+        in_batch = {t.adapter for t, *_ in items}
+        for pname, p in self.peft.named_parameters():
+            if ".lora_" in pname:
+                p.requires_grad_(backward and any(f".{a}." in pname for a in in_batch))
+        results: list[tuple[list[dict[str, np.ndarray]], dict[str, float]]] = [
+            ([], {"loss:sum": 0.0, "tokens:sum": 0.0}) for _ in items
+        ]
+        with torch.set_grad_enabled(backward):
+            logits = self.peft(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                adapter_names=names,
+            ).logits.float()
+            losses = []
+            for r, (j, d, target) in enumerate(rows):
+                n = d.tokens.size
+                tgt = torch.from_numpy(target).to(self.device)
+                logp = torch.log_softmax(logits[r, :n], dim=-1).gather(-1, tgt[:, None])[:, 0]
+                inputs = {
+                    k: torch.from_numpy(np.asarray(v)).to(self.device)
+                    for k, v in d.inputs.items()
+                    if k != "target_tokens"
+                }
+                loss, outs = _loss_and_outputs(items[j][2], logp, inputs, items[j][3])
+                losses.append(loss)
+                results[j][0].append({k: v.float().cpu().numpy() for k, v in outs.items()})
+                results[j][1]["loss:sum"] += float(loss.detach())
+                results[j][1]["tokens:sum"] += float(n)
+            if backward:
+                torch.stack(losses).sum().backward()
+        if backward:
+            for j, (tenant, *_) in enumerate(items):
+                tenant.tokens_trained += int(results[j][1]["tokens:sum"])
+        return results
 
     def optim_step(self, tenant: Tenant, adam: Mapping[str, float]) -> dict[str, float]:
         """One AdamW step of ``tenant`` with the request's ``AdamParams``; gradients cleared.

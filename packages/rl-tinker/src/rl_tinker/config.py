@@ -46,5 +46,12 @@ class ServiceConfig:
     """Cap on ``max_tokens`` of a sample request."""
     future_poll_s: Annotated[float, Range(gt=0, le=40)] = 20.0
     """How long ``retrieve_future`` holds a poll for a result before answering try-again."""
+    batch_tenants: bool = False
+    """Run queued ``forward`` / ``forward_backward`` operations of different tenants on one base
+    as one multi-LoRA batch (each row through its own adapter, one backward): faster with many
+    tenants; each tenant's results then equal its solo results within float rounding, not
+    bitwise (off: every operation alone, bitwise reproducible whatever the other tenants do)."""
+    max_batch_tenants: Annotated[int, Range(ge=2)] = 8
+    """Most tenants in one batch with ``batch_tenants``."""
     tags: list[str] = field(default_factory=list)
     """Free labels (reported in ``/metrics``)."""

@@ -12,7 +12,7 @@ and for ``forward_backward`` / ``sample`` results.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
 import json
 import logging
@@ -102,7 +102,15 @@ class TinkerService:
         self._samplers: dict[str, _Sampler] = {}
         self._futures: dict[str, _Future] = {}
         self._sampler_weights: dict[str, tuple[str, LoraSpec, dict[str, Any]]] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl-tinker")
+        self._queue: collections.deque[tuple[Callable[[], None], Callable[[], Any], str | None]] = (
+            collections.deque()
+        )
+        self._cond = threading.Condition()
+        self._closing = False
+        self._worker = threading.Thread(
+            target=self._work_loop, name="rl-tinker-compute", daemon=True
+        )
+        self._worker.start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self.metrics: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -183,7 +191,55 @@ class TinkerService:
 
             loop.call_soon_threadsafe(finish)
 
-        self._executor.submit(job)
+        with self._cond:
+            self._queue.append((job, work, fut.model_id))
+            self._cond.notify()
+
+    def _work_loop(self) -> None:
+        """The compute thread: operations in queue order; with ``batch_tenants`` the first
+        queued forward/forward_backward of up to ``max_batch_tenants`` tenants of one base run
+        as one multi-LoRA batch (a tenant's later operations never overtake its earlier ones)."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                first = self._queue.popleft()
+                group = [first]
+                batch = getattr(first[1], "batch", None)
+                if self.config.batch_tenants and batch is not None:
+                    seen = {first[2]}
+                    for item in list(self._queue):
+                        if len(group) >= self.config.max_batch_tenants:
+                            break
+                        if item[2] in seen:
+                            continue
+                        seen.add(item[2])
+                        other = getattr(item[1], "batch", None)
+                        if (
+                            other is not None
+                            and other[0].tenant.base is batch[0].tenant.base
+                            and other[4] == batch[4]
+                        ):
+                            group.append(item)
+                            self._queue.remove(item)
+            if len(group) > 1:
+                items = [
+                    (w.batch[0].tenant, w.batch[1], w.batch[2], w.batch[3]) for _, w, _ in group
+                ]
+                try:
+                    results = batch[0].tenant.base.forward_backward_many(items, backward=batch[4])
+                except Exception:  # one request's bad input: each runs alone and fails alone
+                    log.info("rl-tinker: batched operation failed; running its parts alone")
+                else:
+                    for (_, w, _), res in zip(group, results, strict=True):
+                        w.precomputed = res
+                    m = self.metrics["-/multi_lora_batch"]
+                    m["count"] += 1
+                    m["tenants"] += len(group)
+            for job, _, _ in group:
+                job()
 
     def _ordered(
         self, model: _Model, seq_id: int | None, fut: _Future, work: Callable[[], Any]
@@ -424,11 +480,17 @@ class TinkerService:
 
         def work() -> bytes:
             t = model.tenant
-            outputs, metrics = t.base.forward_backward(t, data, loss_fn, config, backward=backward)
+            if hasattr(work, "precomputed"):  # ran in a multi-tenant batch
+                outputs, metrics = work.precomputed
+            else:
+                outputs, metrics = t.base.forward_backward(
+                    t, data, loss_fn, config, backward=backward
+                )
             m = self.metrics[f"{msg.model_id}/{kind}"]
             m["tokens"] += metrics["tokens:sum"]
             return _encode_fwdbwd(outputs, metrics)
 
+        work.batch = (model, data, loss_fn, config, backward)  # type: ignore[attr-defined]
         self._ordered(model, msg.seq_id or None, fut, work)
         return self._future_reply(fut)
 
@@ -705,7 +767,11 @@ class TinkerService:
 
     def close(self) -> None:
         """Stop the compute thread (after the running operation)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._cond.notify()
+        self._worker.join(timeout=120)
 
 
 def _chunk_tokens(chunk: dict[str, Any]) -> list[int]:
