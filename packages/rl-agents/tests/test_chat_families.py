@@ -158,3 +158,19 @@ def test_json_arguments_keep_the_models_types_text_arguments_are_cast():
         "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n</tool_call>", tools=tools
     )
     assert json.loads(glm.tool_calls[0].arguments) == {"n": 7}
+
+
+def test_recipe_server_options_load_typed_and_a_wrong_family_fails_at_load():
+    """generate_fn.server as a recipe gives it: chat.family and adapters load into the typed
+    config; an unknown family is a ConfigError when the recipe is loaded, not at serving."""
+    from rl_agents.server import AgentServer
+    from rl_core.config import from_dict
+
+    cfg = from_dict(
+        AgentServer.Config,
+        {"chat": {"family": "glm"}, "adapters": ["coder", "critic"]},
+        path="generate_fn.server",
+    )
+    assert cfg.chat.family == "glm" and cfg.adapters == ("coder", "critic")
+    with pytest.raises(ConfigError, match="unknown model family 'qwen9'"):
+        from_dict(AgentServer.Config, {"chat": {"family": "qwen9"}}, path="generate_fn.server")

@@ -60,6 +60,8 @@ class ChatFormat:
         template that does not render tools)."""
 
         def __post_init__(self) -> None:
+            if self.family != "auto" and self.family not in FAMILIES:
+                response_format(self.family)  # the ConfigError naming the known families
             if self.tools_in_template not in ("auto", "always", "never"):
                 raise ConfigError(
                     "agents.chat.tools_in_template: expected auto, always or never, got "
