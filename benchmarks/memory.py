@@ -21,6 +21,11 @@ its value is extrapolated linearly from the measured ones and marked ``"extrapol
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/memory.py [--device cuda] [--layers 30]``. Writes
 ``benchmarks/results/memory.json`` (or ``--out``). Not a test.
+
+This measures the log-prob pass's growth with context only (no optimizer step, no optimizer
+state, the step's delta above the RSS before it). The whole full fine-tuning step's peak RSS per
+configuration, beside the floor (weights + gradients + Adam state), is
+``benchmarks/memory_floor.py``.
 """
 
 from __future__ import annotations
