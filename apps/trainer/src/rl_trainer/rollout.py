@@ -263,7 +263,7 @@ class RunStopped(RLError):
 async def until_stopped(awaitable: Any, name: str = "rollout.generate_fn") -> Any:
     """Await ``awaitable`` (one ``generate_fn`` call), but cancel it and raise
     :class:`RunStopped` once it has run :data:`~rl_trainer.bounded.STOP_GRACE_S` past a stop
-    signal (:func:`rl_trainer.stopping.stop_requested`): the first Ctrl-C stops a run whose
+    signal (:func:`rl_trainer.lifecycle.stopping.stop_requested`): the first Ctrl-C stops a run whose
     agents hang or wait on each other, instead of waiting for the step to finish."""
     task = asyncio.ensure_future(awaitable)
     stop_seen: float | None = None
@@ -359,7 +359,7 @@ def defined_at(fn: Any) -> str:
 
 class WeightUpdates(Protocol):
     """What resumable generation needs from whoever releases new weights (the rollout
-    pipeline, :class:`rl_trainer.pipeline.RolloutPipeline`)."""
+    pipeline, :class:`rl_trainer.step.pipeline.RolloutPipeline`)."""
 
     async def newer_than(self, version: int) -> None:
         """Return once a version newer than ``version`` is released."""

@@ -1,5 +1,5 @@
-"""``rl-train show RUN --step N``: a run's sample traces (:mod:`rl_trainer.samples`) or a
-rollout dump (:mod:`rl_trainer.dumps`: ``rl-train show DUMP_DIR``, the directory holding
+"""``rl-train show RUN --step N``: a run's sample traces (:mod:`rl_trainer.ops.samples`) or a
+rollout dump (:mod:`rl_trainer.ops.dumps`: ``rl-train show DUMP_DIR``, the directory holding
 ``dump.json``) in a terminal, with rich: per group its prompt and label, then one row per
 rollout (response, reward, advantage, largest per-token log-prob mismatch); with ``--tokens``
 each response token with the engine's and the trainer's log-probs, mismatches above
@@ -83,7 +83,7 @@ def _dump_tokenizer(dump_dir: Path) -> Any:
 
 
 def _dump_traces(dump_dir: Path, step: int | None) -> tuple[int, list[dict[str, Any]]]:
-    """A dumped step as trace lines (the format of :mod:`rl_trainer.samples`, plus each
+    """A dumped step as trace lines (the format of :mod:`rl_trainer.ops.samples`, plus each
     rollout's ``metadata``, ``rollout_id`` and decoded loss-mask ``regions``)."""
     from rl_trainer.ops import dumps
 

@@ -24,7 +24,7 @@ its updates of the loss, gradient norm, clip fraction and ``ppo_kl`` and the num
 
 Versions: every optimizer step is a policy version (:attr:`rl_core.interfaces.Policy.version`),
 so an RL step advances the policy by ``rl.updates_per_step`` versions; the trainer's version
-arithmetic (:meth:`rl_trainer.loop.Trainer.train_version`, the rollout pipeline, staleness) counts
+arithmetic (:meth:`rl_trainer.run_state.RunState.train_version`, the rollout pipeline, staleness) counts
 RL steps of that many versions each.
 """
 
