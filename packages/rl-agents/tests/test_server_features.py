@@ -7,6 +7,7 @@ aborting the generation. Driven with the official ``openai`` and ``anthropic`` c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -244,6 +245,43 @@ def test_stop_strings_cut_the_tokens_and_the_text(tok):
         assert len(t.result.output_logprobs) == len(out)
         assert t.result.finish_reason == FinishReason.STOP
     assert list(turns[2].result.output_ids) == [*full, tok.eos_token_id]
+
+
+def test_stop_string_cuts_a_resumed_turn_with_its_pieces(tok):
+    """A turn resumed across a weight update (ResumableGenerator's ResumedResult, two pieces of
+    different versions) cut by a stop string in its first piece: the pieces are cut with it, so
+    every kept token still has the version that sampled it."""
+    from rl_agents.resumable import ResumedResult, token_versions
+
+    class Resumed(Scripted):
+        async def generate(self, requests):
+            (r,) = await super().generate(requests)
+            half = 6
+            first = dataclasses.replace(
+                r,
+                output_ids=r.output_ids[:half],
+                output_logprobs=r.output_logprobs[:half],
+                finish_reason=FinishReason.ABORT,
+                weight_version=1,
+            )
+            second = dataclasses.replace(
+                r,
+                output_ids=r.output_ids[half:],
+                output_logprobs=r.output_logprobs[half:],
+                weight_version=2,
+            )
+            return [ResumedResult.merge([first, second])]
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        chat = await oa("s").chat.completions.create(model="policy", messages=MSGS, stop=["cd"])
+        return chat, server.sessions["s"].turns[0].result
+
+    chat, result = _serve(Resumed(tok, ["abcdefghijkl"]), tok, body)
+    assert chat.choices[0].message.content == "ab"
+    assert tok.decode(list(result.output_ids)) == "abcd"
+    assert token_versions(result) == (1,) * len(result.output_ids)
+    assert sum(len(p.output_ids) for p in result.pieces) == len(result.output_ids)
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,7 @@ from typing import TYPE_CHECKING, Any
 from rl_agents.api import anthropic_messages, chat_completions, responses
 from rl_agents.api.common import ChatRequest, Completion, HTTPError
 from rl_agents.chat import ChatFormat
+from rl_agents.resumable import ResumedResult
 from rl_agents.session import Session, TurnRecord
 from rl_core.config import Port, PositiveInt
 from rl_core.errors import ConfigError, DataError, GenerationError, RLError
@@ -556,6 +557,19 @@ class AgentServer:
             finish_reason=FinishReason.STOP,
             routed_experts=routed[: prompt_len + lo] if routed is not None else None,
         )
+        if isinstance(cut, ResumedResult):  # its pieces give each token's version: cut them too
+            pieces, left = [], lo
+            for p in cut.pieces:
+                if left <= 0:
+                    break
+                k = min(left, len(p.output_ids))
+                if k < len(p.output_ids):
+                    p = dataclasses.replace(
+                        p, output_ids=p.output_ids[:k], output_logprobs=p.output_logprobs[:k]
+                    )
+                pieces.append(p)
+                left -= k
+            cut = dataclasses.replace(cut, pieces=tuple(pieces))
         return cut, hit(lo)
 
 
