@@ -80,6 +80,13 @@ class ChatFormat:
         mode = self.config.tools_in_template
         self.native_tools = mode == "always" or (mode == "auto" and "tools" in str(template))
         """True when tools and tool calls are passed to the template itself."""
+        try:
+            import transformers.utils.chat_parsing  # noqa: F401  (the parser of every family)
+        except ImportError as e:
+            raise ConfigError(
+                "agents: parsing tool calls and reasoning needs transformers>=5.24 "
+                f"(transformers.utils.chat_parsing: {e}); pip install 'transformers>=5.24,<6'."
+            ) from e
         self.format: ResponseFormat = response_format(
             self.config.family, str(template), native_tools=self.native_tools
         )
