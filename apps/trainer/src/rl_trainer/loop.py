@@ -16,14 +16,19 @@ runtime::
         generator.update_weights(update, transport)
         evaluate / checkpoint on schedule
 
-:class:`Trainer` is the short driver; each concern has its own module:
+:class:`Trainer` is the short driver: it builds the run's typed state
+(:class:`~rl_trainer.run_state.RunState`) and runs the phases on it; each concern has its own
+module:
 
 - :mod:`rl_trainer.assembly`: every component built from the config (and
   :mod:`rl_trainer.build`, the steps it shares with ``rl-train check``).
+- :mod:`rl_trainer.run_state`: the state the phases and stages share, as typed parts.
 - :mod:`rl_trainer.phases`: the phases in order (SFT warm-up, RL) and evaluation.
-- :mod:`rl_trainer.step.stages`: the RL step as stages (round, take, plan and pack, advantages,
-  train, publish).
-- :mod:`rl_trainer.lifecycle.state`: what checkpoints capture, and ``--resume``.
+- :mod:`rl_trainer.step`: running a step; :mod:`rl_trainer.step.stages` is the RL step as
+  stages (round, take, plan and pack, advantages, train, publish).
+- :mod:`rl_trainer.lifecycle`: the run directory, checkpoints (:mod:`rl_trainer.lifecycle.state`:
+  what they capture, saving, stopping, ``--resume``), signals.
+- :mod:`rl_trainer.ops`: metrics and sinks, reports, traces and dumps, replay, evaluation.
 - :mod:`rl_trainer.ray`: the ``ray`` runtime, where the policy and the generators are actors
   behind proxies that implement the same interfaces, so the phases are unchanged.
 """
