@@ -474,3 +474,35 @@ def _slow(generate):
         return await generate(requests)
 
     return slow
+
+
+def test_a_reply_sent_back_without_its_reasoning_continues_the_same_trajectory(tok):
+    """The client sends the assistant message back as it got it (content with
+    reasoning_content, or text with a thinking block): the server renders the model's own text,
+    reasoning included, so the next turn extends the same trajectory, on both surfaces."""
+
+    async def body(server, oa, an):
+        server.open_session("chat", sampling=SAMPLING)
+        server.open_session("anthropic", sampling=SAMPLING)
+        r1 = await oa("chat").chat.completions.create(model="policy", messages=MSGS)
+        m = r1.choices[0].message.model_dump(exclude_none=True)
+        assert "reasoning_content" in m
+        history = [*MSGS, m, {"role": "user", "content": "and 3+4?"}]
+        await oa("chat").chat.completions.create(model="policy", messages=history)
+        m1 = await an("anthropic").messages.create(model="policy", max_tokens=64, messages=MSGS)
+        back = {"role": "assistant", "content": [b.model_dump() for b in m1.content]}
+        await an("anthropic").messages.create(
+            model="policy",
+            max_tokens=64,
+            messages=[*MSGS, back, {"role": "user", "content": "and 3+4?"}],
+        )
+        return [
+            server.finish_session(sid, prompt_uid="p", prompt_ids=[1])
+            for sid in ("chat", "anthropic")
+        ]
+
+    sessions = _serve(Scripted(tok, ["<think>\nadd\n</think>\n\nIt is 5."]), tok, body)
+    for rollouts in sessions:
+        (merged,) = rollouts  # one trajectory: turn 2 extends turn 1's tokens
+        assert merged.metadata["session_turns"] == 2
+        assert merged.metadata["template_mismatch"] == 0
