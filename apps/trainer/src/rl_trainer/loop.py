@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from rl_core.config import to_dict
+from rl_core.interfaces import Critic, Generator, Policy, Tokenizer
 from rl_trainer.assembly import Components, assemble, thread_split
 from rl_trainer.config import TrainerConfig
 from rl_trainer.failures import FailureLog
@@ -59,7 +60,7 @@ from rl_trainer.ops.metrics import MetricsLogger
 from rl_trainer.ops.sinks import build_sinks
 from rl_trainer.phases import rl as rl_phase
 from rl_trainer.phases import sft as sft_phase
-from rl_trainer.run_state import Counters, DeviceHandover, PhaseModels, RunState
+from rl_trainer.run_state import Counters, DeviceHandover, LogProbModel, PhaseModels, RunState
 
 if TYPE_CHECKING:
     from rl_trainer.ray.runtime import RayRuntime
@@ -165,27 +166,27 @@ class Trainer:
         return self.run_state.models
 
     @property
-    def policy(self) -> Any:
+    def policy(self) -> Policy | None:
         """The current phase's policy (``None`` before a phase builds it)."""
         return self.run_state.models.policy
 
     @property
-    def generator(self) -> Any:
+    def generator(self) -> Generator | None:
         """The RL phase's generator."""
         return self.run_state.models.generator
 
     @property
-    def reference(self) -> Any:
+    def reference(self) -> LogProbModel | None:
         """The KL reference model, else ``None``."""
         return self.run_state.models.reference
 
     @property
-    def critic(self) -> Any:
+    def critic(self) -> Critic | None:
         """The critic, else ``None``."""
         return self.run_state.models.critic
 
     @property
-    def teacher(self) -> Any:
+    def teacher(self) -> LogProbModel | None:
         """The distillation teacher, else ``None``."""
         return self.run_state.models.teacher
 
@@ -211,7 +212,7 @@ class Trainer:
         return self.run_state.counters.as_checkpoint()
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""
         return self.run_state.tokenizer
 
