@@ -72,7 +72,7 @@ def test_agent_recipe_passes_and_scores_a_dry_session(tmp_path, monkeypatch, cap
     assert all(r.dummy_rewards == [None, None] for r in report.rows)
     assert main(["check", recipe]) == 0
     out = capsys.readouterr().out
-    assert "check passed" in out and "NOTE" in out
+    assert "prompts rendered, 0 scored (see the notes)" in out and "NOTE" in out
 
 
 def test_a_session_without_reward_is_a_problem(tmp_path):

@@ -784,9 +784,13 @@ def print_report(report: CheckReport, console: Any = None) -> None:
     if n_p:
         console.print(Text(f"check failed: {n_p} problem(s), {n_w} warning(s).", style="bold red"))
     else:
-        console.print(
-            Text(
-                f"check passed: {len(report.rows)} prompts rendered and scored, {n_w} warning(s).",
-                style="bold green",
-            )
+        scored = sum(
+            r.label_reward is not None or any(v is not None for v in r.dummy_rewards)
+            for r in report.rows
         )
+        what = (
+            f"{len(report.rows)} prompts rendered and scored"
+            if scored == len(report.rows)
+            else f"{len(report.rows)} prompts rendered, {scored} scored (see the notes)"
+        )
+        console.print(Text(f"check passed: {what}, {n_w} warning(s).", style="bold green"))
