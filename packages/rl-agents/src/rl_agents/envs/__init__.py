@@ -8,6 +8,9 @@ connectors to environment libraries.
   (:mod:`rl_agents.envs.loop`).
 - :mod:`rl_agents.envs.reasoning_gym`: reasoning-gym's procedural tasks and scorers as a task
   (data + reward) and as an environment (``pip install 'rlpost-agents[reasoning-gym]'``).
+- :mod:`rl_agents.envs.openenv_env`: an OpenEnv environment through OpenEnv's client protocol,
+  its server running elsewhere or started in-process (``pip install 'rlpost-agents[openenv]'``);
+  :mod:`rl_agents.envs.openenv_reverse` is a small OpenEnv environment for its recipe.
 
 Connectors import their library only when used, so this package imports without them.
 """
