@@ -302,3 +302,36 @@ def test_batched_tenants_through_the_sdk_match_solo_runs(serve):
         th.join()
     for seed in (1, 2):
         np.testing.assert_allclose(both[seed], solo[seed], rtol=1e-4)
+
+
+def test_smollm2_trains_and_samples_through_the_sdk(serve):
+    """The converted SmolLM2-135M-Instruct: loss falls over 3 steps on one datum, and a chat
+    prompt sampled greedily stops at the model's end-of-turn token."""
+    from rl_hf.convert import smollm2_135m_instruct
+
+    path = smollm2_135m_instruct()
+    svc = serve(models={"smollm2": str(path)})
+    sc = _client(svc)
+    tc = sc.create_lora_training_client(base_model="smollm2", rank=4).result()
+    tok = tc.get_tokenizer()
+    losses = _train(tc, tok, 3, lr=1e-3)
+    assert losses[-1] < losses[0]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True
+    )
+    if not isinstance(prompt, list):
+        prompt = prompt["input_ids"]
+    seq = (
+        sampler.sample(
+            tinker.types.ModelInput.from_ints(prompt),
+            1,
+            types.SamplingParams(max_tokens=40, temperature=0.0),
+        )
+        .result()
+        .sequences[0]
+    )
+    assert seq.stop_reason == "stop" and seq.tokens[-1] in (
+        tok.eos_token_id,
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )

@@ -228,6 +228,7 @@ class TinkerService:
                 items = [
                     (w.batch[0].tenant, w.batch[1], w.batch[2], w.batch[3]) for _, w, _ in group
                 ]
+                t0 = time.perf_counter()
                 try:
                     results = batch[0].tenant.base.forward_backward_many(items, backward=batch[4])
                 except Exception:  # one request's bad input: each runs alone and fails alone
@@ -238,6 +239,7 @@ class TinkerService:
                     m = self.metrics["-/multi_lora_batch"]
                     m["count"] += 1
                     m["tenants"] += len(group)
+                    m["compute_s"] += time.perf_counter() - t0
             for job, _, _ in group:
                 job()
 
