@@ -4,10 +4,10 @@ What moves (each kind switched by ``policy.offload``, an :class:`~rl_core.offloa
 ``weights`` are the model's parameters and buffers plus extra trainable heads (the critic's
 value head), ``grads`` the parameters' ``.grad`` (``None`` between steps, since ``train_step``
 frees them), ``optimizer`` the AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``). The mechanism
-is the policy's own :class:`~rl_core.offload.StorageOffloader`: device storages are freed in place
-and restored bitwise. Between ``offload`` and ``onload`` the policy must not be used on a GPU (its
-storages are empty then); on CPU its tensors read the host copies, so it still computes the same
-values.
+is :class:`~rl_core.offload.Offloadable`'s :class:`~rl_core.offload.StorageOffloader`: device
+storages are freed in place and restored bitwise. Between ``offload`` and ``onload`` the policy
+must not be used on a GPU (its storages are empty then); on CPU its tensors read the host copies,
+so it still computes the same values.
 """
 
 from __future__ import annotations

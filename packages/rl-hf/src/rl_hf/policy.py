@@ -40,7 +40,7 @@ from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncErro
 from rl_core.interfaces import LossFn, Policy
 from rl_core.logprobs import linear_logprobs
 from rl_core.lora import LoRAConfig
-from rl_core.offload import OffloadConfig, ResidentStorage, StorageOffloader, TrackedTensors
+from rl_core.offload import Offloadable, OffloadConfig, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
 from rl_hf._allocator import trim_host_memory
 from rl_hf._hf import enable_activation_checkpointing, hf_state_dict, token_logprobs
@@ -55,7 +55,7 @@ STATE_FILE = "rl_policy_state.pt"
 """File (next to the HF weights) holding the version and, optionally, optimizer and scheduler."""
 
 
-class HFPolicy(Policy):
+class HFPolicy(Offloadable, Policy):
     """A trainable Hugging Face causal LM (``AutoModelForCausalLM``) on one device.
 
     Forward passes are padding-free: each micro-batch runs as one row of ``T`` packed tokens with
@@ -66,9 +66,9 @@ class HFPolicy(Policy):
     the adapters train, ``named_weights`` yields the merged weights and checkpoints hold the
     adapter (docs/lora.md).
 
-    The policy owns its concerns as objects: the adapters (:class:`rl_hf._policy_lora.PolicyLoRA`,
-    with ``lora``) and the storage mover of ``offload``/``onload``
-    (:class:`~rl_core.offload.StorageOffloader`, :attr:`offloader`).
+    The policy owns its adapters as an object (:class:`rl_hf._policy_lora.PolicyLoRA`, with
+    ``lora``); ``offload``/``onload`` come from :class:`~rl_core.offload.Offloadable`'s public
+    contract, with :meth:`tracked_tensors` naming the state (:mod:`rl_hf._offload`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -256,8 +256,6 @@ class HFPolicy(Policy):
             self.optimizer,
             lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
         )
-        self.offloader = StorageOffloader(config.offload)
-        """Moves the state ``config.offload`` selects off the device and back (:meth:`offload`)."""
 
     def _compile_warmup(self) -> float:
         """Compile the train forward and backward now (``compile_warmup``); seconds taken."""
@@ -392,25 +390,6 @@ class HFPolicy(Policy):
         """``(kind, name, tensor)`` of every tensor of the policy's state, weights first
         (:func:`rl_hf._offload.training_state`)."""
         return training_state(self.model, self._params, self.optimizer, self.device)
-
-    @property
-    def is_offloaded(self) -> bool:
-        """Whether the state selected by ``config.offload`` is off the device now."""
-        return self.offloader.offloaded
-
-    def offload(self) -> None:
-        """Move the state ``config.offload`` selects off the device and free its device memory;
-        a no-op when already offloaded (local to the process: no collective)."""
-        self.offloader.offload(self.tracked_tensors())
-
-    def onload(self) -> None:
-        """Bring back, bitwise, what :meth:`offload` moved; a no-op when nothing is offloaded."""
-        self.offloader.onload()
-
-    def resident_storages(self) -> list[ResidentStorage]:
-        """Storages of the tracked state still holding memory outside the offloader's host
-        copies (after :meth:`offload`: only kinds switched off)."""
-        return self.offloader.resident(self.tracked_tensors())
 
     # ------------------------------------------------------------------ forward
 
