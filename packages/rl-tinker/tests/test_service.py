@@ -335,3 +335,18 @@ def test_smollm2_trains_and_samples_through_the_sdk(serve):
         tok.eos_token_id,
         tok.convert_tokens_to_ids("<|im_end|>"),
     )
+
+
+def test_closing_a_session_frees_its_training_clients(serve):
+    """The SDK's close ends the session: its adapters go, so the service-wide limit frees up."""
+    svc = serve(max_models=1)
+    sc = _client(svc)
+    sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    sc2 = _client(svc)
+    with pytest.raises(tinker.BadRequestError, match="max_models"):
+        sc2.create_lora_training_client(base_model="tiny", rank=4).result()
+    sc.close("success").result()
+    tc = sc2.create_lora_training_client(base_model="tiny", rank=4).result()
+    assert (
+        tc.forward([_datum(tc.get_tokenizer())], "cross_entropy").result().metrics["loss:sum"] > 0
+    )

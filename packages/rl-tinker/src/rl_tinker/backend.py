@@ -304,9 +304,13 @@ class BaseModel:
         )
 
     def drop_tenant(self, tenant: Tenant) -> None:
-        """Remove a tenant's adapter (its memory is freed)."""
-        if self.peft is not None and tenant.adapter in self.peft.peft_config:
-            self.peft.delete_adapter(tenant.adapter)
+        """Remove a tenant's adapter and optimizer state (their memory is freed; peft keeps the
+        last adapter of a model, which then just stays unused)."""
+        tenant.optimizer = None
+        tenant.params = []
+        peft = self.peft
+        if peft is not None and tenant.adapter in peft.peft_config and len(peft.peft_config) > 1:
+            peft.delete_adapter(tenant.adapter)
 
     @contextlib.contextmanager
     def _active(self, adapter: str | None, *, train: bool) -> Iterator[Any]:

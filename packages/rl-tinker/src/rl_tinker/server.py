@@ -365,8 +365,21 @@ class TinkerService:
         return {"type": "session_heartbeat"}
 
     async def h_finish_session(self, request: Any) -> Any:
-        """The SDK closing a session: its training clients' adapters stay until restart
-        (their checkpoints are on disk)."""
+        """The SDK closing a session: its training clients are dropped (adapters and optimizer
+        state freed after their queued operations; saved checkpoints stay on disk)."""
+        sid = request.match_info["session_id"]
+        gone = [m for m in self._models.values() if m.session_id == sid]
+        for model in gone:
+            del self._models[model.tenant.model_id]
+            fut = self._new_future("drop_model", model.tenant.model_id)
+
+            def drop(m: _Model = model) -> dict[str, Any]:
+                m.tenant.base.drop_tenant(m.tenant)
+                return {}
+
+            self._run(fut, drop)
+            del self._futures[fut.request_id]
+        self._sessions.pop(sid, None)
         return {}
 
     async def h_telemetry(self, request: Any) -> Any:
