@@ -136,8 +136,9 @@ def test_custom_loss_runs_on_the_client_with_the_servers_logprobs(serve):
 
 
 def test_operations_of_one_client_run_in_submission_order(serve):
-    """Submitted without waiting, forward_backward / optim_step / forward run in order: the
-    results equal those of a client that waits on each."""
+    """Submitted without waiting (pipelined through the SDK), forward_backward / optim_step /
+    forward give the results of a client that waits on each. (The SDK usually delivers them in
+    order; the out-of-order arrival case is the next test.)"""
     svc = serve()
     sc = _client(svc)
     tok = None
@@ -350,3 +351,30 @@ def test_closing_a_session_frees_its_training_clients(serve):
     assert (
         tc.forward([_datum(tc.get_tokenizer())], "cross_entropy").result().metrics["loss:sum"] > 0
     )
+
+
+def test_operations_arriving_out_of_order_run_in_seq_id_order(tmp_path):
+    """The SDK numbers a client's operations and may send them concurrently (chunks of one
+    forward_backward); the service runs them by seq_id whatever the arrival order, and refuses
+    a seq_id used twice."""
+    from rl_tinker.backend import LoraSpec, Tenant
+    from rl_tinker.config import ServiceConfig
+    from rl_tinker.server import TinkerService, _HTTPError, _Model
+
+    svc = TinkerService(ServiceConfig(models={"m": str(tmp_path)}, state_dir=str(tmp_path / "s")))
+    ran = []
+    svc._run = lambda fut, work, on_done=None: ran.append(work())
+    model = _Model(
+        tenant=Tenant(model_id="m:train:0", base=None, adapter="", lora=LoraSpec(rank=1)),
+        session_id="s",
+    )
+    try:
+        for seq in (3, 1, 4, 2):
+            svc._ordered(model, seq, svc._new_future("op", "m:train:0"), lambda seq=seq: seq)
+            if seq == 1:
+                assert ran == [1]
+        assert ran == [1, 2, 3, 4]
+        with pytest.raises(_HTTPError, match="already used"):
+            svc._ordered(model, 2, svc._new_future("op", "m:train:0"), lambda: 0)
+    finally:
+        svc.close()
