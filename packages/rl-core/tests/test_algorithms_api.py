@@ -40,6 +40,7 @@ EXPECTED = {
     "rloo_advantages",
     "rollout_token_counts",
     "value_loss",
+    "metrics_over_trained",
     "sequences_to_train",
     "skip_blocker",
     "zero_advantage_sequences",

@@ -3,12 +3,15 @@ of the others, as long as the loss weights are the whole step's; other loss term
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from rl_core.algorithms import (
     PolicyLoss,
     compute_loss_weights,
+    metrics_over_trained,
     sequences_to_train,
     skip_blocker,
     zero_advantage_sequences,
@@ -142,3 +145,24 @@ def test_blockers_outside_the_loss() -> None:
     assert "critic" in skip_blocker(cfg, critic=True, updates_per_step=1)
     assert "2 updates per step" in skip_blocker(cfg, critic=False, updates_per_step=2)
     assert "teacher" in skip_blocker(cfg, critic=False, updates_per_step=1, teacher=True)
+
+
+def test_metrics_over_trained_are_means_over_the_kept_tokens() -> None:
+    """The weighted-mean metrics of a skipped step equal those of the kept sequences alone
+    (their own weights renormalised), and exact ones (loss) are untouched."""
+    batch = _step_batch(3)
+    keep = [0, 2, 4]
+    part, idx = _subset(batch, keep)
+    kept_weight = float(part.loss_weights.sum())
+    logp = -torch.rand(CU[-1], generator=torch.Generator().manual_seed(7))
+    entropy = torch.rand(CU[-1], generator=torch.Generator().manual_seed(8))
+    loss_fn = PolicyLoss(PolicyLoss.Config(correction="tis"))
+    skipped = loss_fn(logp[idx], part, entropy[idx]).metrics
+    renorm = dataclasses.replace(part, loss_weights=part.loss_weights / kept_weight)
+    alone = loss_fn(logp[idx], renorm, entropy[idx]).metrics
+    fixed = metrics_over_trained(skipped, kept_weight)
+    for k in ("entropy", "ppo_kl", "pg_clipfrac", "mismatch", "tis_weight_mean"):
+        assert fixed[k] == pytest.approx(alone[k], rel=1e-5), k
+    assert fixed["pg_loss"] == skipped["pg_loss"]
+    with pytest.raises(ValueError, match="kept_weight"):
+        metrics_over_trained(skipped, 0.0)

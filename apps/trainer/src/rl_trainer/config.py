@@ -299,6 +299,15 @@ class RLConfig:
     ``rollout.prompts_per_step`` to be a multiple of it."""
     max_tokens_per_micro_batch: PositiveInt = 4096
     """Token cap of one micro-batch."""
+    skip_zero_advantage: bool = True
+    """Leave samples whose advantage is 0 on every trained token (a group whose rewards are all
+    equal, under GRPO-style estimators) out of the step's forward and backward passes, with the
+    loss weights computed over the whole step first, so the update is the same up to the order
+    of floating-point sums (:mod:`rl_core.algorithms.skipping`). Off by itself where such
+    samples still give gradient: an entropy bonus or KL loss, a critic, several updates per
+    step, a teacher. When no sample gives gradient one (the shortest) is kept so the optimizer
+    still steps. ``train/skipped_samples_frac`` reports the share left out; the per-token
+    metrics (entropy, KL, clip fractions) are then means over the trained tokens."""
     async_generation: bool = False
     """Overlap generation and training: while the policy trains step k (in a trainer thread),
     the generator produces the groups of the next steps. With ``async_mode: lockstep`` (the

@@ -29,6 +29,13 @@ import numpy as np
 import torch
 
 from rl_agents.resumable import ResumableGenerator
+from rl_core.algorithms.losses import PolicyLoss
+from rl_core.algorithms.skipping import (
+    metrics_over_trained,
+    sequences_to_train,
+    skip_blocker,
+    zero_advantage_sequences,
+)
 from rl_core.batching import gather_response, scatter_response
 from rl_core.errors import RLError
 from rl_core.rewards.shaping import OverlongPenalty
@@ -403,6 +410,8 @@ def rl_batch(
     if returns is not None:
         batch.returns = scatter_response(rollouts, returns) * batch.loss_mask
     batch.loss_weights = loss_weights(batch, rollouts, alg)
+    if cfg.rl.skip_zero_advantage and len(rollouts) > 1:
+        batch = _without_gradient_free(run, batch, rollouts, metrics)
     # The engine's routing stays on the batch; the policies see it only under replay.
     mode = cfg.rollout.routing_replay
     if run.models.reference is not None:
@@ -426,6 +435,59 @@ def rl_batch(
     return batch
 
 
+def _without_gradient_free(
+    run: RunState,
+    batch: TrainBatch,
+    rollouts: Sequence[Rollout],
+    metrics: dict[str, Any] | None,
+) -> TrainBatch:
+    """``batch`` without the samples that give the policy no gradient (advantage 0 on every
+    trained token; :mod:`rl_core.algorithms.skipping`), re-planned and packed, each kept token
+    with the loss weight and advantage it had in the whole step; ``batch`` itself when nothing
+    can be skipped. Records ``train/skipped_samples_frac``, ``train/skipped_tokens_frac`` and
+    the kept share of the loss weights (``_kept_weight``, for :func:`train`) in ``metrics``."""
+    cfg = run.config
+    loss_fn = run.parts.loss_fn
+    if not isinstance(loss_fn, PolicyLoss):  # another loss may give such samples gradient
+        return batch
+    blocker = skip_blocker(
+        loss_fn.config,
+        critic=run.models.critic is not None,
+        updates_per_step=cfg.rl.updates_per_step,
+        teacher=run.models.teacher is not None,
+    )
+    if blocker is not None:
+        return batch
+    free = zero_advantage_sequences(batch.advantages, batch.loss_mask, batch.cu_seqlens)
+    lens = batch.cu_seqlens.diff().tolist()
+    keep = sequences_to_train(free, lens)
+    if len(keep) == len(rollouts):
+        if metrics is not None:
+            metrics.update({"train/skipped_samples_frac": 0.0, "train/skipped_tokens_frac": 0.0})
+        return batch
+    cu = batch.cu_seqlens.tolist()
+    weights = {i: batch.loss_weights[cu[i] : cu[i + 1]] for i in keep}
+    adv = {i: batch.advantages[cu[i] : cu[i + 1]] for i in keep}
+    keep_m = cfg.rl.mask_older_than
+    policy = run.models.policy
+    kept, order = plan_and_pack(
+        [rollouts[i] for i in keep],
+        policy,
+        cfg.rl.max_tokens_per_micro_batch,
+        mask_versions_below=(
+            policy.version - keep_m * cfg.rl.updates_per_step if keep_m is not None else None
+        ),
+    )
+    kept.loss_weights = torch.cat([weights[keep[j]] for j in order])
+    kept.advantages = torch.cat([adv[keep[j]] for j in order])
+    if metrics is not None:
+        metrics["train/skipped_samples_frac"] = 1 - len(keep) / len(rollouts)
+        metrics["train/skipped_tokens_frac"] = 1 - kept.num_tokens / batch.num_tokens
+        total = float(batch.loss_weights.sum())
+        metrics["_kept_weight"] = float(kept.loss_weights.sum()) / total if total > 0 else 1.0
+    return kept
+
+
 # ----------------------------------------------------------------------------- train
 def train(run: RunState, groups: Sequence[Group]) -> dict[str, Any]:
     """Build the batch of ``groups`` (:func:`rl_batch`) and take one optimizer step of the
@@ -447,6 +509,9 @@ def train(run: RunState, groups: Sequence[Group]) -> dict[str, Any]:
         )
     # one optimizer step, or rl.ppo_epochs x rl.mini_batches_per_step (metrics: their means)
     m, cm, n_updates = ppo_updates.optimize(run.config, run.models, run.parts, batch, groups)
+    kept_weight = stage_record.pop("_kept_weight", None)
+    if kept_weight is not None and kept_weight > 0:
+        m = metrics_over_trained(m, kept_weight)
     critic_record: dict[str, Any] = {}
     if cm is not None:
         critic_record = {

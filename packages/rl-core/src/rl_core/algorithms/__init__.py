@@ -58,6 +58,7 @@ from rl_core.algorithms.losses import (
     value_loss,
 )
 from rl_core.algorithms.skipping import (
+    metrics_over_trained,
     sequences_to_train,
     skip_blocker,
     zero_advantage_sequences,
@@ -92,6 +93,7 @@ __all__ = [
     "kl_estimate",
     "logprob_mismatch",
     "masked_whiten",
+    "metrics_over_trained",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",

@@ -35,7 +35,31 @@ import torch
 
 from rl_core.algorithms._segments import check_cu_seqlens, segment_sum, seq_index
 
-__all__ = ["sequences_to_train", "skip_blocker", "zero_advantage_sequences"]
+__all__ = [
+    "WEIGHTED_MEAN_METRICS",
+    "metrics_over_trained",
+    "sequences_to_train",
+    "skip_blocker",
+    "zero_advantage_sequences",
+]
+
+WEIGHTED_MEAN_METRICS: frozenset[str] = frozenset(
+    {
+        "entropy",
+        "kl",
+        "ppo_kl",
+        "pg_clipfrac",
+        "pg_clipfrac_lower",
+        "opsm_clipfrac",
+        "mismatch",
+        "tis_weight_mean",
+        "tis_clipfrac",
+        "tis_veto_frac",
+    }
+)
+"""Step metrics of :class:`~rl_core.algorithms.losses.PolicyLoss` that are loss-weighted sums
+``sum_t x_t w_t`` (means over the step when the weights sum to 1); ``loss``, ``pg_loss`` and
+the gradient norm are exact under a skip and are not among them."""
 
 
 def zero_advantage_sequences(
@@ -69,6 +93,19 @@ def skip_blocker(
     if teacher:
         return "a teacher (distillation shapes the advantages after they are computed)"
     return None
+
+
+def metrics_over_trained(metrics: dict[str, float], kept_weight: float) -> dict[str, float]:
+    """``metrics`` of a step that trained only part of its sequences, with each
+    :data:`WEIGHTED_MEAN_METRICS` entry divided by ``kept_weight`` (the kept tokens' share of
+    the step's loss weights, in (0, 1]): a weighted mean over the trained tokens instead of a
+    sum that leaves the skipped ones out. Other entries are returned as they are."""
+    if not 0 < kept_weight <= 1:
+        raise ValueError(f"metrics_over_trained: kept_weight must be in (0, 1], got {kept_weight}.")
+    return {
+        k: (v / kept_weight if k in WEIGHTED_MEAN_METRICS and v is not None else v)
+        for k, v in metrics.items()
+    }
 
 
 def sequences_to_train(gradient_free: Sequence[bool], seq_lens: Sequence[int]) -> list[int]:
