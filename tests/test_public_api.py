@@ -18,6 +18,7 @@ PACKAGES = [
     "rl_buffer",
     "rl_weightsync",
     "rl_sglang",
+    "rl_tinker",
     "rl_trainer",
 ]
 # Every distribution of the monorepo, by import name: they release in lockstep while 0.x.

@@ -324,6 +324,7 @@ class TinkerService:
         return {"request_id": fut.request_id, "model_id": fut.model_id}
 
     async def h_capabilities(self, request: Any) -> Any:
+        """GET /api/v1/get_server_capabilities: the configured base models."""
         models = []
         for name, path in self.config.models.items():
             ctx = None
@@ -342,6 +343,7 @@ class TinkerService:
         return {"supported_models": models}
 
     async def h_client_config(self, request: Any) -> Any:
+        """POST /api/v1/client/config: the SDK's feature flags (API-key auth, JSON/proto as served here)."""
         return {
             "pjwt_auth_enabled": False,
             "use_pyqwest_transport": False,
@@ -353,15 +355,18 @@ class TinkerService:
         }
 
     async def h_dynamic_config(self, request: Any) -> Any:
+        """POST /api/v1/client/dynamic_config: refreshed flags (sample cancellation off)."""
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     async def h_create_session(self, request: Any) -> Any:
+        """POST /api/v1/create_session: a new session id."""
         body = await self._json(request)
         sid = f"s{uuid.uuid4().hex[:12]}"
         self._sessions[sid] = {"tags": body.get("tags", []), "models": 0}
         return {"type": "create_session", "session_id": sid}
 
     async def h_heartbeat(self, request: Any) -> Any:
+        """POST /api/v1/session_heartbeat: accepted (sessions do not expire)."""
         return {"type": "session_heartbeat"}
 
     async def h_finish_session(self, request: Any) -> Any:
@@ -383,9 +388,11 @@ class TinkerService:
         return {}
 
     async def h_telemetry(self, request: Any) -> Any:
+        """POST /api/v1/telemetry: accepted and dropped (nothing leaves the machine)."""
         return {"status": "accepted"}
 
     async def h_health(self, request: Any) -> Any:
+        """GET /api/v1/healthz."""
         return {"status": "ok"}
 
     def _add_model(
@@ -418,6 +425,7 @@ class TinkerService:
         return model_id, model
 
     async def h_create_model(self, request: Any) -> Any:
+        """POST /api/v1/create_model: a new LoRA training client (a future of its model id)."""
         body = await self._json(request)
         cfg = body.get("lora_config") or {}
         lora = LoraSpec(
@@ -451,6 +459,7 @@ class TinkerService:
         return self._future_reply(fut)
 
     async def h_get_info(self, request: Any) -> Any:
+        """POST /api/v1/get_info: base model, tokenizer directory and LoRA rank of a client."""
         body = await self._json(request)
         model = self._model(body["model_id"])
         t = model.tenant
@@ -468,6 +477,7 @@ class TinkerService:
         }
 
     async def h_forward_backward(self, request: Any) -> Any:
+        """POST /api/v1/forward_backward (protobuf body): forward, or forward and backward, as a future."""
         from tinker.proto import tinker_public_pb2 as pb
 
         raw = await request.read()
@@ -510,6 +520,7 @@ class TinkerService:
         return self._future_reply(fut)
 
     async def h_optim_step(self, request: Any) -> Any:
+        """POST /api/v1/optim_step: one AdamW step with the request's AdamParams, as a future."""
         body = await self._json(request)
         model = self._model(body["model_id"])
         adam = body.get("adam_params") or body.get("optim_params")
@@ -527,6 +538,7 @@ class TinkerService:
         return self._future_reply(fut)
 
     async def h_save_weights(self, request: Any) -> Any:
+        """POST /api/v1/save_weights (save_state): adapter + optimizer to tinker://<model>/weights/<name>."""
         body = await self._json(request)
         model = self._model(body["model_id"])
         name = body.get("path") or f"step-{uuid.uuid4().hex[:8]}"
@@ -544,6 +556,7 @@ class TinkerService:
         return self._future_reply(fut)
 
     async def h_save_for_sampler(self, request: Any) -> Any:
+        """POST /api/v1/save_weights_for_sampler: an adapter snapshot for sampling (named, or a new sampling session)."""
         body = await self._json(request)
         model_id = body["model_id"]
         model = self._model(model_id)
@@ -571,6 +584,7 @@ class TinkerService:
         return self._future_reply(fut)
 
     async def h_load_weights(self, request: Any) -> Any:
+        """POST /api/v1/load_weights: load a checkpoint into a client, or create a client from it."""
         body = await self._json(request)
         path = body["path"]
         with_opt = bool(body.get("optimizer", False))
@@ -616,6 +630,7 @@ class TinkerService:
         return self._future_reply(fut)
 
     async def h_create_sampling_session(self, request: Any) -> Any:
+        """POST /api/v1/create_sampling_session: a sampler on a snapshot path or the base model."""
         body = await self._json(request)
         sid = body["session_id"]
         sampler_id = f"{sid}:sample:{body['sampling_session_seq_id']}"
@@ -632,6 +647,7 @@ class TinkerService:
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     async def h_get_sampler(self, request: Any) -> Any:
+        """GET /api/v1/samplers/{id}: a sampler's base model and snapshot path."""
         sampler = self._samplers.get(request.match_info["sampler_id"])
         if sampler is None:
             raise _HTTPError(404, "unknown sampler")
@@ -642,6 +658,7 @@ class TinkerService:
         }
 
     async def h_sample(self, request: Any) -> Any:
+        """POST /api/v1/asample: a sampling request (n samples, prompt log-probs), as a future."""
         body = await self._json(request)
         if body.get("sampling_session_id"):
             sampler = self._samplers.get(body["sampling_session_id"])
@@ -700,6 +717,7 @@ class TinkerService:
         return reply
 
     async def h_retrieve_future(self, request: Any) -> Any:
+        """POST /api/v1/retrieve_future: a future's result, held up to future_poll_s, else try-again."""
         from aiohttp import web
 
         body = await self._json(request)
@@ -716,6 +734,7 @@ class TinkerService:
         return web.Response(body=fut.body, content_type=fut.content_type)
 
     async def h_metrics(self, request: Any) -> Any:
+        """GET /api/v1/metrics: per model/operation counts, queue and compute seconds, tokens."""
         return {k: dict(v) for k, v in self.metrics.items()}
 
     # app --------------------------------------------------------------------------------------
