@@ -11,7 +11,7 @@ Runs (each a short ``rl-train run`` in its own process, one thread):
 
 Usage::
 
-    python scripts/same_metrics.py record OUT_DIR [--only demo,lora]
+    python scripts/same_metrics.py record OUT_DIR [--only demo,lora] [--set KEY=VALUE ...]
     python scripts/same_metrics.py compare BEFORE_DIR AFTER_DIR
 
 ``record`` writes ``OUT_DIR/<name>.jsonl`` (one metric record per line, without ``perf/`` and
@@ -57,15 +57,16 @@ def _timing(key: str) -> bool:
     return any(last.endswith(w) or last.startswith("time") for w in _TIME_WORDS)
 
 
-def record(out_dir: Path, only: list[str]) -> None:
-    """Run each selected recipe and write its metrics without timings to ``out_dir``."""
+def record(out_dir: Path, only: list[str], extra: list[str] = ()) -> None:
+    """Run each selected recipe (with the ``extra`` ``KEY=VALUE`` overrides) and write its
+    metrics without timings to ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name in only:
-        recipe, extra = RUNS[name]
+        recipe, overrides = RUNS[name]
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / name
-            sets = [f"run_dir={run_dir}", *COMMON, *extra]
+            sets = [f"run_dir={run_dir}", *COMMON, *overrides, *extra]
             args = [a for s in sets for a in ("--set", s)]
             cmd = [sys.executable, "-m", "rl_trainer.cli", "run", recipe, "--no-report", *args]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -115,12 +116,13 @@ def main() -> None:
     r = sub.add_parser("record")
     r.add_argument("out", type=Path)
     r.add_argument("--only", default=",".join(RUNS))
+    r.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
     a = p.parse_args()
     if a.cmd == "record":
-        record(a.out, [x for x in a.only.split(",") if x])
+        record(a.out, [x for x in a.only.split(",") if x], a.set)
     else:
         sys.exit(compare(a.before, a.after))
 
