@@ -41,7 +41,7 @@ def _recipe(tmp_path: Path, name: str, *, short: bool) -> tuple[Path, Path]:
         sizes = {"n_train": 64, "n_eval": 8}
         cfg["task"].update(sizes)
         gen_fn = cfg["rollout"].get("generate_fn")
-        if gen_fn is not None and "dataset" in gen_fn["env_options"]:  # reasoning-gym's env
+        if gen_fn is not None and "dataset" in gen_fn.get("env_options", {}):  # rg env
             gen_fn["env_options"].update(sizes)
         cfg["sft"]["steps"] = 3
         cfg["rollout"].update(prompts_per_step=4, n_samples=4)
@@ -102,6 +102,21 @@ def test_openenv_recipe_runs(tmp_path, cli):
     assert last["rollout/failed_fraction"] == 0.0 and last["eval/failed_fraction"] == 0.0
     assert last["rollout/score_mean"] == pytest.approx(last["rollout/reward_mean"])
     assert "eval/exact_mean" in last
+
+
+@pytest.mark.slow
+def test_verifiers_recipe_runs(tmp_path, cli):
+    """Two RL steps of the verifiers connector: every session is a verifiers SingleTurnEnv
+    rollout through the agent server, none failed, and the rubric's scores are the rewards
+    (within [0, 1], logged for training and eval)."""
+    pytest.importorskip("verifiers")
+    recipe, run_dir = _recipe(tmp_path, "env_verifiers", short=True)
+    _run(cli, recipe, 600)
+    records = _records(run_dir)
+    assert [s for s, _ in _evals(records)] == [0, 2]
+    last = [r for r in records if r.get("phase") == "rl" and r.get("step") == 2][-1]
+    assert last["rollout/failed_fraction"] == 0.0 and last["eval/failed_fraction"] == 0.0
+    assert 0.0 <= last["rollout/reward_mean"] <= 1.0
 
 
 @pytest.mark.slow

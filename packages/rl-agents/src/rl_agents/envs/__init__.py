@@ -11,6 +11,9 @@ connectors to environment libraries.
 - :mod:`rl_agents.envs.openenv_env`: an OpenEnv environment through OpenEnv's client protocol,
   its server running elsewhere or started in-process (``pip install 'rlpost-agents[openenv]'``);
   :mod:`rl_agents.envs.openenv_reverse` is a small OpenEnv environment for its recipe.
+- :mod:`rl_agents.envs.verifiers_env`: a verifiers environment runs its own rollout through
+  the agent server and its rubric gives the reward (``pip install 'rlpost-agents[verifiers]'``);
+  :mod:`rl_agents.envs.verifiers_reverse` is a small verifiers environment for its recipe.
 
 Connectors import their library only when used, so this package imports without them.
 """
