@@ -50,11 +50,15 @@ def _model_dir(name: str, work: Path) -> Path:
     return path
 
 
-def _service(model: Path, state: Path) -> Any:
+def _service(model: Path, state: Path, batch_tenants: bool = False) -> Any:
     from rl_tinker.config import ServiceConfig
     from rl_tinker.runner import start
 
-    return start(ServiceConfig(models={"base": str(model)}, state_dir=str(state), port=0))
+    return start(
+        ServiceConfig(
+            models={"base": str(model)}, state_dir=str(state), port=0, batch_tenants=batch_tenants
+        )
+    )
 
 
 def _data(tok: Any, batch: int, seq: int) -> list[Any]:
@@ -106,31 +110,39 @@ def part_tenants(
     import tinker
 
     tokens = n * steps * batch * seq
-    svc = _service(model, work / "shared")
-    sc = tinker.ServiceClient(base_url=svc.url)
-    barrier = threading.Barrier(n + 1)
-    threads, results = [], {}
-    for i in range(n):
-        th = threading.Thread(
-            target=lambda i=i: results.__setitem__(
-                i, _tenant_run(sc, i, steps, batch, seq, barrier)
+    shared: dict[str, Any] = {}
+    for batched in (False, True):
+        svc = _service(model, work / f"shared{int(batched)}", batch_tenants=batched)
+        sc = tinker.ServiceClient(base_url=svc.url)
+        barrier = threading.Barrier(n + 1)
+        threads, results = [], {}
+        for i in range(n):
+            th = threading.Thread(
+                target=lambda i=i, sc=sc, b=barrier, r=results: r.__setitem__(
+                    i, _tenant_run(sc, i, steps, batch, seq, b)
+                )
             )
-        )
-        th.start()
-        threads.append(th)
-    barrier.wait()  # every tenant created: time the training alone
-    t0 = time.perf_counter()
-    for th in threads:
-        th.join()
-    shared_s = time.perf_counter() - t0
-    mem = _bytes(svc.service)
-    per_op: dict[str, dict[str, float]] = {}
-    for key, m in svc.service.metrics.items():
-        op = key.split("/", 1)[1]
-        agg = per_op.setdefault(op, {"count": 0.0, "queue_s": 0.0, "compute_s": 0.0, "tokens": 0.0})
-        for f in agg:
-            agg[f] += m.get(f, 0.0)
-    svc.stop()
+            th.start()
+            threads.append(th)
+        barrier.wait()  # every tenant created: time the training alone
+        t0 = time.perf_counter()
+        for th in threads:
+            th.join()
+        train_s = time.perf_counter() - t0
+        mem = _bytes(svc.service)
+        per_op: dict[str, dict[str, float]] = {}
+        for key, m in svc.service.metrics.items():
+            op = key.split("/", 1)[1]
+            agg = per_op.setdefault(op, {})
+            for f, v in m.items():
+                agg[f] = agg.get(f, 0.0) + v
+        svc.stop()
+        shared["batched" if batched else "one_at_a_time"] = {
+            "train_s": train_s,
+            "tokens_per_s": tokens / train_s,
+            "per_operation": per_op,
+            "losses": results,
+        }
 
     separate_s = 0.0
     solo = {}
@@ -141,24 +153,23 @@ def part_tenants(
         s.stop()
     adapter_each = mem["adapter_params"] // n
     opt_each = 2 * adapter_each  # Adam's two moments, float32 like the adapter
-    return {
-        "tenants": n,
-        "steps": steps,
-        "batch": batch,
-        "seq": seq,
-        "shared_train_s": shared_s,
-        "separate_train_s_sum": separate_s,
-        "shared_tokens_per_s": tokens / shared_s,
-        "separate_tokens_per_s": tokens / separate_s,
-        "same_losses_as_solo": all(results[i][0] == solo[i][0] for i in range(n)),
-        "per_operation": per_op,
-        "memory_bytes": {
-            "shared": mem["base_params"] + n * (adapter_each + opt_each),
-            "separate_side_by_side": n * (mem["base_params"] + adapter_each + opt_each),
-            "base_params": mem["base_params"],
-            "adapter_params_each": adapter_each,
-        },
+    out: dict[str, Any] = {"tenants": n, "steps": steps, "batch": batch, "seq": seq}
+    for name, r in shared.items():
+        losses = r.pop("losses")
+        rel = max(
+            abs(a - b) / abs(b)
+            for i in range(n)
+            for a, b in zip(losses[i][0], solo[i][0], strict=True)
+        )
+        out[f"shared_{name}"] = {**r, "max_rel_loss_diff_vs_solo": rel}
+    out["separate"] = {"train_s_sum": separate_s, "tokens_per_s": tokens / separate_s}
+    out["memory_bytes"] = {
+        "shared": mem["base_params"] + n * (adapter_each + opt_each),
+        "separate_side_by_side": n * (mem["base_params"] + adapter_each + opt_each),
+        "base_params": mem["base_params"],
+        "adapter_params_each": adapter_each,
     }
+    return out
 
 
 def part_overhead(model: Path, work: Path, reps: int) -> dict[str, Any]:
@@ -203,13 +214,13 @@ def part_overhead(model: Path, work: Path, reps: int) -> dict[str, Any]:
     }
 
 
-def part_cookbook(model: Path, work: Path, rl_steps: int) -> dict[str, Any]:
+def part_cookbook(model: Path, work: Path, rl_steps: int, sl_epochs: int) -> dict[str, Any]:
     from rl_tinker.recipes import cookbook
 
     svc = _service(model, work / "cookbook")
     try:
         t0 = time.perf_counter()
-        sl = cookbook.supervised(svc.url, str(model), str(work / "sl"), num_epochs=2)
+        sl = cookbook.supervised(svc.url, str(model), str(work / "sl"), num_epochs=sl_epochs)
         sl_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         rl = cookbook.rl(
@@ -241,6 +252,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--rl-steps", type=int, default=12)
+    p.add_argument("--sl-epochs", type=int, default=2)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "service.json"))
     args = p.parse_args()
     os.environ.setdefault("TINKER_API_KEY", "tml-local-benchmark")
@@ -258,7 +270,7 @@ def main() -> None:
             out["overhead"] = part_overhead(model, work, args.reps)
             print("overhead", out["overhead"], flush=True)
         if args.part in ("all", "cookbook"):
-            out["cookbook"] = part_cookbook(model, work, args.rl_steps)
+            out["cookbook"] = part_cookbook(model, work, args.rl_steps, args.sl_epochs)
             print("cookbook", out["cookbook"], flush=True)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     write_results(Path(args.out), out, load)
