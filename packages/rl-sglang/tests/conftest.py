@@ -3,7 +3,13 @@
 The server (CPU, stub CUDA driver) is launched once per session by an owning
 :class:`SGLangGenerator` (``owner``); most tests attach to it with their own generator, after
 rewinding it to the base weights at version 0. Startup takes about a minute and ~4 GB RSS. The
-SGLang tests are not optional: if SGLang cannot be installed the session fails with the reason.
+server runs with LoRA serving on (``enable_lora``, rank <= 8 on ``q_proj``/``v_proj``), so the
+LoRA tests share it instead of starting a server of their own (one start less, ~60-100 s on two
+cores); base-model requests (no adapter) are unaffected (``test_server_lora.py`` checks them
+against transformers in the same batch as adapter requests). The modules that use it run first
+(``test_recovery.py``, which kills and restarts it, last of them); it is stopped before the
+other modules (some launch servers of their own). The SGLang tests are not optional: if SGLang
+cannot be installed the session fails with the reason.
 """
 
 from __future__ import annotations
@@ -27,7 +33,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu``-marked tests when CUDA is unavailable."""
+    """Order this directory's modules (those on the session server first, a
+    ``SESSION_SERVER_LAST`` one last of them, then the others, each group in name order; other
+    directories' tests keep their places); skip ``gpu``-marked tests when CUDA is unavailable."""
+    slots = [i for i, item in enumerate(items) if _HERE in Path(item.path).parents]
+    users = {item.path for i in slots if _uses_owner(item := items[i])}
+    mine = sorted(
+        (items[i] for i in slots), key=lambda item: (item.path not in users, _runs_last(item))
+    )
+    for i, item in zip(slots, mine):
+        items[i] = item
+    _SESSION_MODULES.update(users)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -75,6 +91,9 @@ def owner(
             python=sglang_python,
             log_dir=str(tmp_path_factory.mktemp("sglang-logs")),
             server_args={"log_level": "warning"},
+            enable_lora=True,
+            max_lora_rank=8,
+            lora_target_modules=("q_proj", "v_proj"),
             health_interval_s=1.0,
             health_timeout_s=60.0,
             health_failures=3,
@@ -99,22 +118,28 @@ def _close_owned() -> None:
         assert not any(left.values()), f"SGLang processes left after close: {left}"
 
 
-def _owns_server(item: pytest.Item) -> bool:
-    """Whether ``item``'s module launches its own server (``OWN_SERVER = True``). Such modules
-    sort after every module that uses the session server (their names start after
-    ``test_recovery``), so the session server is stopped before they start."""
-    return bool(getattr(getattr(item, "module", None), "OWN_SERVER", False))
+_SESSION_MODULES: set[Path] = set()
+"""Files with a test on the session server (``owner``, directly or through ``attach``)."""
+
+
+def _uses_owner(item: pytest.Item) -> bool:
+    """Whether ``item`` uses the session server."""
+    return "owner" in getattr(item, "fixturenames", ())
+
+
+def _runs_last(item: pytest.Item) -> bool:
+    """Whether ``item``'s module must run after the other session-server modules
+    (``SESSION_SERVER_LAST = True``: it kills and restarts the server)."""
+    return bool(getattr(getattr(item, "module", None), "SESSION_SERVER_LAST", False))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """Stop the session server as soon as the run leaves this directory, or enters a module
-    with its own server: an idle server still costs ~4 GB and its health probes keep a core
-    busy, which would slow every later test (and two servers would share 2 cores)."""
+    """Stop the session server as soon as no later test of this run uses it (the modules on it
+    run first): an idle server still costs ~4 GB and its health probes keep a core busy, which
+    would slow every later test (and a module's own server would share 2 cores with it)."""
     result = yield
-    if _OWNED and (
-        nextitem is None or _HERE not in Path(nextitem.path).parents or _owns_server(nextitem)
-    ):
+    if _OWNED and (nextitem is None or Path(nextitem.path) not in _SESSION_MODULES):
         _close_owned()
     return result
 

@@ -268,24 +268,25 @@ def test_routing_refused_on_dense_model(
         )
 
 
-def test_memory_release_and_lora_refused_on_cpu_server(
+def test_memory_release_refused_on_cpu_server(
     attach: Callable[..., SGLangGenerator], fp: Any
 ) -> None:
-    """A CPU server (no memory saver, no LoRA) reports supports_memory_release and supports_lora
-    false; release/resume and LoRA calls are refused with a GenerationError without reaching
-    the server (SGLang 0.5.23's /release_memory_occupation would kill it: its handler calls
-    torch.cuda.synchronize), which keeps serving."""
+    """A CPU server (no memory saver) reports supports_memory_release false; release/resume
+    calls are refused with a GenerationError without reaching the server (SGLang 0.5.23's
+    /release_memory_occupation would kill it: its handler calls torch.cuda.synchronize), which
+    keeps serving; an adapter that is not loaded is refused too. (A server without LoRA refusing
+    adapters: ``test_lora_update_config.py``; the session server serves LoRA.)"""
     from rl_core.errors import GenerationError
 
     gen = attach()
-    assert not gen.supports_memory_release and not gen.supports_lora
+    assert not gen.supports_memory_release and gen.supports_lora
     with pytest.raises(GenerationError, match="tags"):
         asyncio.run(gen.release_memory(["weights", "activations"]))
     with pytest.raises(GenerationError, match="enable_memory_saver"):
         asyncio.run(gen.release_memory(["kv_cache"]))
     with pytest.raises(GenerationError, match="enable_memory_saver"):
         asyncio.run(gen.resume_memory())
-    with pytest.raises(GenerationError, match="enable_lora"):
+    with pytest.raises(GenerationError, match="no LoRA adapter named 'x'"):
         asyncio.run(gen.generate([_req("l", P)], lora_adapter="x"))
     _, version = fp.served(gen.server_urls[0])
     assert version == "0"

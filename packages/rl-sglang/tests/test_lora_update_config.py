@@ -4,13 +4,14 @@ server: the generator's parts are built by hand): a ``ConfigError`` naming the g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from rl_core.errors import ConfigError, WeightSyncError
+from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.lora import LoRAConfig, with_adapter
-from rl_core.types import WeightUpdate
+from rl_core.types import GenerationRequest, WeightUpdate
 from rl_sglang import SGLangGenerator
 from rl_sglang._fleet import ServerFleet
 from rl_sglang._lora import LoRARegistry
@@ -92,3 +93,18 @@ def test_adapter_update_not_through_the_collective() -> None:
     transport = SGLangCollectiveTransport.__new__(SGLangCollectiveTransport)
     with pytest.raises(WeightSyncError, match="sglang_collective"):
         asyncio.run(_gen(lora=True).update_weights(_update(), transport))
+
+
+def test_adapters_refused_by_a_server_without_lora() -> None:
+    """Without LoRA serving, a request naming an adapter and the adapter calls are refused with a
+    GenerationError naming enable_lora, before anything reaches a server."""
+    gen = _gen(lora=False)
+    req = GenerationRequest(request_id="r", input_ids=(1, 2))
+    with pytest.raises(GenerationError, match="enable_lora=true"):
+        asyncio.run(gen.generate([req], lora_adapter="x"))
+    with pytest.raises(GenerationError, match="enable_lora=true"):
+        asyncio.run(gen.generate([dataclasses.replace(req, adapter="x")]))
+    with pytest.raises(GenerationError, match="enable_lora=true"):
+        asyncio.run(gen.load_lora_adapter("x", "/nonexistent"))
+    with pytest.raises(GenerationError, match="enable_lora=true"):
+        gen.default_lora_adapter = "x"

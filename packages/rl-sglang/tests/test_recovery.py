@@ -16,6 +16,9 @@ from rl_core.types import GenerationRequest, SamplingParams
 from rl_sglang import SGLangGenerator
 from rl_weightsync.disk_full import DiskFullTransport
 
+SESSION_SERVER_LAST = True
+"""Runs after the other modules on the session server (it kills and restarts that server)."""
+
 
 def test_killed_server_restarts_resyncs_and_requests_complete(
     owner: SGLangGenerator,

@@ -1,6 +1,7 @@
 """LoRA adapters on a real CPU SGLang server (``enable_lora``, ``/load_lora_adapter``,
 ``/unload_lora_adapter``, ``lora_path`` per request): sampled tokens' log-probs equal
-transformers with the adapter merged into the base weights. One server for the module.
+transformers with the adapter merged into the base weights. On the session server (launched
+with LoRA serving on, see ``conftest.py``), through one attached generator for the module.
 
 The adapters are written in peft's format by hand (``adapter_config.json`` +
 ``adapter_model.safetensors``): peft is not a dependency of rl-sglang."""
@@ -19,9 +20,6 @@ from safetensors.torch import load_file, save_file
 from rl_core.errors import GenerationError, WeightSyncError
 from rl_core.types import GenerationRequest, GenerationResult, SamplingParams
 from rl_sglang import SGLangGenerator
-
-OWN_SERVER = True
-"""This module launches its own server (the session server is stopped first)."""
 
 P = (5, 17, 42, 99, 3, 120, 64, 7, 250, 31, 11, 2)
 RANK, ALPHA = 4, 8
@@ -86,22 +84,21 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 @pytest.fixture(scope="module")
 def lora_gen(
-    sglang_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    owner: SGLangGenerator, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SGLangGenerator]:
-    """A generator owning one CPU server with LoRA serving on."""
+    """A generator attached to the session server (LoRA serving on), rewound to the base
+    weights at version 0; the adapters it loaded are unloaded after the module."""
     gen = SGLangGenerator(
         SGLangGenerator.Config(
-            model_path=str(tiny_model),
-            python=sglang_python,
+            server_urls=tuple(owner.server_urls),
             log_dir=str(tmp_path_factory.mktemp("sglang-lora-logs")),
-            server_args={"log_level": "warning", "max_total_tokens": 4096},
-            enable_lora=True,
-            max_lora_rank=8,
-            lora_target_modules=("q_proj", "v_proj"),
             health_interval_s=0,
         )
     )
+    gen.load_weights_from_disk(str(tiny_model), version=0)
     yield gen
+    for name in gen.lora_adapters:
+        asyncio.run(gen.unload_lora_adapter(name))
     asyncio.run(gen.close())
 
 
