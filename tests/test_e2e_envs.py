@@ -119,6 +119,26 @@ def test_verifiers_recipe_runs(tmp_path, cli):
     assert 0.0 <= last["rollout/reward_mean"] <= 1.0
 
 
+@pytest.mark.parametrize(
+    ("name", "needs"),
+    [
+        ("env_reasoning_gym", "reasoning_gym"),
+        ("env_reasoning_gym_multiturn", "reasoning_gym"),
+        ("env_openenv", "openenv.core"),
+        ("env_verifiers", "verifiers"),
+    ],
+)
+def test_check_passes_on_the_connector_recipes(tmp_path, cli, name, needs):
+    """``rl-train check`` passes on each connector recipe; with ``env_reward`` it scores a dry
+    episode of the environment instead of dummy response texts (which it cannot score)."""
+    pytest.importorskip(needs)
+    recipe, _ = _recipe(tmp_path, name, short=True)
+    proc = cli("check", str(recipe))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "check passed" in out
+
+
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.parametrize(

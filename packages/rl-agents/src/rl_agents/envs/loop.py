@@ -51,7 +51,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from rl_agents.chat import ChatFormat
 from rl_agents.envs.base import Action, StepResult
@@ -264,6 +264,10 @@ class EnvReward:
     rewards), as ``reward``, with the numeric entries of the last step's ``info`` as further
     components (``exact``, ``format``, ...). A rollout without one (not produced by
     :class:`EnvRollout`) is an error, counted as failed."""
+
+    scores_sessions: ClassVar[bool] = True
+    """It scores what the environment reported, not a response text: ``rl-train check`` scores
+    a dry episode instead of its dummy responses (as for ``session_reward``)."""
 
     def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> dict[str, float]:
         """The components of ``rollout``'s episode reward."""
