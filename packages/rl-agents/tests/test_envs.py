@@ -100,6 +100,21 @@ class Slow:
         return StepResult(reward=1.0, done=True)
 
 
+class RunsCode:
+    """Runs the model's turn as Python in the loop's sandbox; its stdout is the observation."""
+
+    sandbox = None
+
+    def reset(self, prompt: Prompt) -> None:
+        return None
+
+    async def step(self, action: Action) -> StepResult:
+        if action.turn == 1:
+            return StepResult(reward=float(action.text.strip() == "42"), done=True)
+        run = await self.sandbox.arun(action.text)
+        return StepResult(observation=run.stdout, info={"exit_code": run.exit_code})
+
+
 class Broken(Feedback):
     def step(self, action: Action) -> StepResult:
         raise RuntimeError("tool crashed")
@@ -120,6 +135,7 @@ for _name, _cls in {
     "t_async_feedback": AsyncFeedback,
     "t_adder": Adder,
     "t_slow": Slow,
+    "t_code": RunsCode,
     "t_broken": Broken,
     "t_wrong": WrongStep,
     "t_nostep": NoStep,
@@ -466,3 +482,23 @@ def test_partial_rollouts_resume_a_cut_turn_and_keep_token_versions(tok):
     assert resumed.sampling.max_new_tokens == 8 - 3
     assert gen.stats.interruptions == 1 and gen.stats.resumed_tokens == 3
     assert r.metadata["env_steps"] == 2
+
+
+def test_sandbox_is_given_to_environments_that_ask_for_it(tok):
+    """With ``sandbox`` set, the loop's one Sandbox runs the model's code for the environment:
+    the first turn's code prints 42 in it, the output comes back as observation tokens and the
+    model's second turn is judged; an environment without a ``sandbox`` attribute is refused."""
+    fn = EnvRollout(
+        EnvRollout.Config(env="t_code", sandbox={"timeout_s": 10, "max_concurrent": 2}, max_turns=2)
+    )
+    gen = Scripted(tok, ["print(6*7)\n", "42\n"], delay=0.0)
+    (r,) = asyncio.run(fn(_prompt(tok), _ctx(gen, tok, max_new_tokens=32)))
+    assert "failure" not in r.metadata, r.metadata
+    resp = tok.decode(list(r.tokens[r.response_start :]))
+    assert resp == "print(6*7)\n" + "42\n" + "42\n"
+    assert r.loss_mask == (1,) * 11 + (0,) * 3 + (1,) * 3
+    assert r.metadata["env_reward"] == 1.0 and fn.sandbox.peak_running == 1
+    with pytest.raises(ConfigError, match="no 'sandbox' attribute"):
+        EnvRollout(EnvRollout.Config(env="t_feedback", sandbox={}))
+    with pytest.raises(ConfigError, match="generate_fn.sandbox"):
+        EnvRollout(EnvRollout.Config(env="t_code", sandbox={"timeout": 1}))

@@ -114,6 +114,12 @@ class EnvRollout:
         sync_env: Literal["thread", "inline"] = "thread"
         """How plain (``def``) ``reset``/``step`` run: on a daemon thread per call, or on the
         event loop (instant steps only: a slow one stalls generation)."""
+        sandbox: dict[str, Any] | None = None
+        """Options of :class:`rl_agents.tools.Sandbox.Config` (e.g. ``{timeout_s: 5,
+        max_concurrent: 8}``): one sandbox, shared by every episode (its ``max_concurrent``
+        caps the commands running at once), is set as the ``sandbox`` attribute of each
+        environment before ``reset``; the environment runs model-written code with
+        ``await self.sandbox.arun(code)``. The environment class must declare ``sandbox``."""
 
         def __post_init__(self) -> None:
             if not self.env or not isinstance(self.env, str):
@@ -131,7 +137,21 @@ class EnvRollout:
         self.stats = EnvStats()
         """Episode counters (running, peak, failed)."""
         self._factory = _env_factory(config.env, config.env_options)
-        _check_env(self._factory(), config.env)  # a wrong class fails at start-up, not mid-run
+        probe = self._factory()
+        _check_env(probe, config.env)  # a wrong class fails at start-up, not mid-run
+        self.sandbox: Any = None
+        """The shared :class:`~rl_agents.tools.Sandbox` (``Config.sandbox``), or ``None``."""
+        if config.sandbox is not None:
+            if not hasattr(probe, "sandbox"):
+                raise ConfigError(
+                    f"generate_fn.sandbox: set, but {config.env!r} has no 'sandbox' attribute "
+                    "to receive it; declare `sandbox = None` on the class (and run code with "
+                    "`await self.sandbox.arun(code)`), or remove generate_fn.sandbox."
+                )
+            from rl_agents.tools import Sandbox
+
+            box_config = from_dict(Sandbox.Config, dict(config.sandbox), path="generate_fn.sandbox")
+            self.sandbox = Sandbox(box_config)
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
 
@@ -172,6 +192,8 @@ class EnvRollout:
         self.stats.running += 1
         self.stats.peak_running = max(self.stats.peak_running, self.stats.running)
         env = self._factory()
+        if self.sandbox is not None:
+            env.sandbox = self.sandbox
         traj = TrajectoryBuilder(
             prompt.token_ids,
             TrajectoryBuilder.Config(max_length=c.max_length),
