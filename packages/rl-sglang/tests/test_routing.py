@@ -15,9 +15,6 @@ from rl_core.routing import routing_mismatch
 from rl_core.types import GenerationRequest, SamplingParams
 from rl_sglang import SGLangGenerator
 
-OWN_SERVER = True
-"""This module launches its own server (the session server is stopped first)."""
-
 P = (5, 17, 42, 99, 3, 120, 64, 7, 250, 31, 11, 2)
 
 

@@ -18,9 +18,6 @@ import torch
 from rl_core.types import GenerationRequest, SamplingParams
 from rl_sglang import SGLangGenerator, _cpu_support
 
-OWN_SERVER = True
-"""This module launches its own servers (the session server is stopped first)."""
-
 P = (5, 17, 42, 99, 3, 120, 64, 7, 250, 31, 11, 2)
 
 pytestmark = pytest.mark.gpu
