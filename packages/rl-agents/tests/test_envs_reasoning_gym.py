@@ -80,6 +80,8 @@ def test_task_config_errors_name_the_field():
         _task(dataset_config={"word_len": 3})
     with pytest.raises(ConfigError, match="prompt_template"):
         _task(prompt_template="no question here")
+    with pytest.raises(ConfigError, match="generate_fn.env_options.dataset: reasoning-gym has"):
+        ReasoningGymEnv.Config(dataset="spell_backwards")
 
 
 class Answers(Generator):

@@ -27,11 +27,11 @@ download or an external tool fails when the task is built, with reasoning-gym's 
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from rl_agents.envs.base import Action, StepResult
 from rl_core.config import PositiveInt, Seed
@@ -62,19 +62,23 @@ class ReasoningGymSpec:
     models trained to answer directly) or ``answer_tag`` (reasoning-gym's ``extract_answer``:
     the last ``<answer>...</answer>``)."""
 
+    FIELD: ClassVar[str] = "task"
+    """Where the recipe sets these options (for error messages)."""
+
     def __post_init__(self) -> None:
-        _datasets_or_raise(self.dataset)
+        w = self.FIELD
+        _datasets_or_raise(self.dataset, w)
         if "{question}" not in self.prompt_template:
             raise ConfigError(
-                f"task.prompt_template: must contain '{{question}}', got {self.prompt_template!r}."
+                f"{w}.prompt_template: must contain '{{question}}', got {self.prompt_template!r}."
             )
         if self.answer_format not in ("raw", "answer_tag"):
             raise ConfigError(
-                f"task.answer_format: {self.answer_format!r}; choose 'raw' or 'answer_tag'."
+                f"{w}.answer_format: {self.answer_format!r}; choose 'raw' or 'answer_tag'."
             )
 
 
-def _datasets_or_raise(name: str) -> None:
+def _datasets_or_raise(name: str, where: str) -> None:
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError as e:
@@ -85,7 +89,7 @@ def _datasets_or_raise(name: str) -> None:
     if name not in DATASETS:
         close = sorted(n for n in DATASETS if name[:4] in n)[:8] or sorted(DATASETS)[:8]
         raise ConfigError(
-            f"task.dataset: reasoning-gym has no dataset {name!r}; e.g. {', '.join(close)} "
+            f"{where}.dataset: reasoning-gym has no dataset {name!r}; e.g. {', '.join(close)} "
             "(reasoning_gym.factory.DATASETS lists them all)."
         )
 
@@ -93,7 +97,7 @@ def _datasets_or_raise(name: str) -> None:
 class _Entries:
     """The two splits of one spec: the datasets (for their scorers) and the entries by prompt."""
 
-    def __init__(self, spec: ReasoningGymSpec) -> None:
+    def __init__(self, spec: ReasoningGymSpec, where: str) -> None:
         import reasoning_gym
 
         opts = dict(spec.dataset_config)
@@ -107,11 +111,11 @@ class _Entries:
             )
         except TypeError as e:
             raise ConfigError(
-                f"task.dataset_config: {e}; see the fields of reasoning-gym's "
+                f"{where}.dataset_config: {e}; see the fields of reasoning-gym's "
                 f"{spec.dataset} config."
             ) from None
         except AssertionError as e:
-            raise ConfigError(f"task.dataset_config: reasoning-gym refused it: {e}") from None
+            raise ConfigError(f"{where}.dataset_config: reasoning-gym refused it: {e}") from None
         self.by_prompt: dict[str, tuple[Any, dict[str, Any]]] = {}
         self.splits: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
         held_out: set[str] = set()
@@ -126,7 +130,7 @@ class _Entries:
                 self._add("train", self.train_ds, entry, spec)
         if len(self.splits["train"]) < spec.n_train:
             raise ConfigError(
-                f"task.n_train: only {len(self.splits['train'])} training questions of "
+                f"{where}.n_train: only {len(self.splits['train'])} training questions of "
                 f"{spec.dataset} differ from the {spec.n_eval} held-out ones; lower n_train or "
                 "n_eval, or widen dataset_config."
             )
@@ -137,17 +141,19 @@ class _Entries:
         self.splits[split].append({"prompt": prompt, "label": str(entry["answer"])})
 
 
-@functools.lru_cache(maxsize=8)
-def _entries(key: str) -> _Entries:
-    d = json.loads(key)
-    return _Entries(ReasoningGymSpec(**d))
+_CACHE: dict[str, _Entries] = {}
 
 
 def _entries_of(spec: ReasoningGymSpec) -> _Entries:
-    """The entries of ``spec``, built once per process (the task and every episode's
-    environment share them)."""
-    key = {f: getattr(spec, f) for f in ReasoningGymSpec.__dataclass_fields__}
-    return _entries(json.dumps(key, sort_keys=True))
+    """The entries of ``spec``'s options, built once per process (the task and every episode's
+    environment share them; the 8 most recent option sets are kept)."""
+    opts = {f.name: getattr(spec, f.name) for f in dataclasses.fields(ReasoningGymSpec)}
+    key = json.dumps(opts, sort_keys=True)
+    if key not in _CACHE:
+        while len(_CACHE) >= 8:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _Entries(spec, spec.FIELD)
+    return _CACHE[key]
 
 
 def _score(spec: ReasoningGymSpec, entries: _Entries, prompt: Prompt, response: str) -> float:
@@ -231,13 +237,12 @@ class ReasoningGymEnv:
         reward: Literal["best", "last"] = "best"
         """The episode's reward: the best attempt's score, or the last attempt's."""
 
+        FIELD: ClassVar[str] = "generate_fn.env_options"
+        """Where the recipe sets these options (for error messages)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._entries = _entries_of(
-            ReasoningGymSpec(
-                **{f: getattr(config, f) for f in ReasoningGymSpec.__dataclass_fields__}
-            )
-        )
+        self._entries = _entries_of(config)
         if config.reward not in ("best", "last"):
             raise ConfigError(
                 f"generate_fn.env_options.reward: {config.reward!r}; choose 'best' or 'last'."
