@@ -139,6 +139,54 @@ def test_check_passes_on_the_connector_recipes(tmp_path, cli, name, needs):
     assert "check passed" in out
 
 
+def test_env_file_beside_the_recipe_is_found_from_another_directory(tmp_path, cli):
+    """``env: "my_env.py:Echo"`` resolves against the recipe's directory, not the directory
+    ``rl-train`` runs in."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "my_env.py").write_text(
+        "from rl_agents.envs import StepResult\n\n\n"
+        "class Echo:\n"
+        "    def reset(self, prompt):\n"
+        "        return None\n\n"
+        "    def step(self, action):\n"
+        "        return StepResult(reward=1.0, done=True)\n"
+    )
+    recipe = project / "r.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(tmp_path / "run"),
+                "model": {
+                    "init": {
+                        "arch": "qwen2",
+                        "hidden_size": 32,
+                        "num_layers": 1,
+                        "num_heads": 2,
+                        "num_kv_heads": 1,
+                        "intermediate_size": 64,
+                    }
+                },
+                "task": {"type": "reverse", "n_train": 64, "n_eval": 4},
+                "reward": {"type": "env_reward"},
+                "rollout": {
+                    "prompts_per_step": 2,
+                    "n_samples": 2,
+                    "sampling": {"max_new_tokens": 4},
+                    "generate_fn": {"type": "env", "env": "my_env.py:Echo"},
+                },
+                "logging": {"tensorboard": False, "progress": False},
+            }
+        )
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = cli("check", str(recipe), cwd=elsewhere)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "check passed" in out, out
+    assert "scored 1, 1" in out  # the dry episodes ran the environment found beside the recipe
+
+
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.parametrize(

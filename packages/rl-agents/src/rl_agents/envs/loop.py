@@ -57,7 +57,7 @@ from rl_agents.chat import ChatFormat
 from rl_agents.envs.base import Action, StepResult
 from rl_agents.trajectory import TrajectoryBuilder
 from rl_core import registry
-from rl_core.config import PositiveInt, Range, from_dict
+from rl_core.config import CodeRef, PositiveInt, Range, from_dict
 from rl_core.errors import ConfigError, DataError, RewardError
 from rl_core.interfaces import RolloutContext
 from rl_core.types import FinishReason, Prompt, Rollout, RolloutStatus
@@ -95,9 +95,9 @@ class EnvRollout:
     class Config:
         """Options of :class:`EnvRollout`."""
 
-        env: str
-        """The environment: ``"package.module:Class"``, ``"path/to/file.py:Class"`` or a name
-        of the ``rl.envs`` entry-point group. A class with a nested ``Config`` is built with
+        env: Annotated[str, CodeRef()]
+        """The environment: ``"package.module:Class"``, ``"path/to/file.py:Class"`` (relative
+        to the recipe's directory) or a name of the ``rl.envs`` entry-point group. A class with a nested ``Config`` is built with
         ``env_options`` validated against it; a class without one (or a zero-argument factory
         function) is called with no arguments. One instance per episode."""
         env_options: dict[str, Any] = field(default_factory=dict)
