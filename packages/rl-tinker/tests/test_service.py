@@ -224,7 +224,7 @@ def test_limits_answer_clear_4xx_errors(serve):
         sc.create_lora_training_client(base_model="tiny", rank=4).result()
     tok = tc.get_tokenizer()
     long = _datum(tok, TEXT * 20)
-    futures = [tc.forward_backward([long], "cross_entropy") for _ in range(4)]
+    futures = [tc.forward_backward([long], "cross_entropy") for _ in range(8)]
     errors = []
     for f in futures:
         try:
@@ -376,5 +376,32 @@ def test_operations_arriving_out_of_order_run_in_seq_id_order(tmp_path):
         assert ran == [1, 2, 3, 4]
         with pytest.raises(_HTTPError, match="already used"):
             svc._ordered(model, 2, svc._new_future("op", "m:train:0"), lambda: 0)
+    finally:
+        svc.close()
+
+
+def test_queued_work_limit_counts_running_and_waiting_operations(tmp_path):
+    """max_queued_per_model counts operations submitted and not finished (running, or waiting
+    for an earlier seq_id); the next one is refused with the limit's name."""
+    from rl_tinker.backend import LoraSpec, Tenant
+    from rl_tinker.config import ServiceConfig
+    from rl_tinker.server import TinkerService, _HTTPError, _Model
+
+    svc = TinkerService(
+        ServiceConfig(
+            models={"m": str(tmp_path)}, state_dir=str(tmp_path / "s"), max_queued_per_model=2
+        )
+    )
+    svc._run = lambda fut, work, on_done=None: None  # never finishes: stays in flight
+    model = _Model(
+        tenant=Tenant(model_id="m:train:0", base=None, adapter="", lora=LoraSpec(rank=1)),
+        session_id="s",
+    )
+    try:
+        svc._ordered(model, 1, svc._new_future("op", "m:train:0"), lambda: 0)  # running
+        svc._ordered(model, 3, svc._new_future("op", "m:train:0"), lambda: 0)  # waiting for 2
+        with pytest.raises(_HTTPError, match="max_queued_per_model") as err:
+            svc._ordered(model, 2, svc._new_future("op", "m:train:0"), lambda: 0)
+        assert err.value.status == 400
     finally:
         svc.close()
