@@ -198,7 +198,8 @@ def test_env_file_beside_the_recipe_is_found_from_another_directory(tmp_path, cl
     ],
 )
 def test_env_recipes_learn(tmp_path, cli, name, gain, needs):
-    """The full recipes (seed 1, 150 RL steps, 3-10 minutes each on a busy 2-core CPU) raise
+    """The full recipes (seed 1, 150 RL steps: 46 s, 101 s and 143 s in make test-long on a
+    quieter 2-core CPU, 3-10 minutes each when it is busy) raise
     the held-out reward (greedy, 64 prompts never trained on) by at least ``gain``: about half
     of what seed 1 gained when measured (numbers in the recipe headers; other seeds were not
     measured). Too long for ``make test``, where the tests above run each recipe for 2
