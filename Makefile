@@ -12,7 +12,13 @@ PKG_FILES := $(wildcard packages/*/pyproject.toml apps/*/pyproject.toml)
 EDITABLES := -e "packages/rl-core[yaml,test,math,dev,docs]" -e "packages/rl-hf[test,gguf,lora]" -e "packages/rl-agents[test]" \
              -e "packages/rl-buffer[parquet,datasets]" \
              -e packages/rl-weightsync -e "packages/rl-sglang[test]" -e packages/rl-megatron \
-             -e "apps/trainer[ray,wandb]"
+             -e "apps/trainer[ray,wandb]" -e "packages/rl-tinker[test]"
+# tinker-cookbook 0.6.1 (the Tinker recipes rl-tinker's tests run unmodified) requires
+# tml-renderers>=0.4.1, which the index does not have (0.2.1 at most) and which it imports only
+# for Thinking Machines' own models: it is installed without dependencies, beside the ones it
+# does use (versions in constraints.txt).
+COOKBOOK := tinker-cookbook==0.6.1
+COOKBOOK_DEPS := blobfile chz cloudpickle pyrage termcolor
 
 CONSTRAINTS := constraints.txt
 PIP_VERSION := 26.3
@@ -26,7 +32,8 @@ $(VENV)/.installed: $(PKG_FILES) $(CONSTRAINTS) Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==$(PIP_VERSION)
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	$(PIP) install -q -c $(CONSTRAINTS) $(EDITABLES) $(TOOLS)
+	$(PIP) install -q -c $(CONSTRAINTS) $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS)
+	$(PIP) install -q --no-deps $(COOKBOOK)
 	@touch $@
 
 # Re-resolve the environment from the packages' version ranges in a scratch venv and record the
@@ -37,7 +44,8 @@ lock:
 	$(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/python -m pip install -q --upgrade pip==$(PIP_VERSION)
 	.lock-venv/bin/python -m pip install -q torch==2.13.0
-	.lock-venv/bin/python -m pip install -q $(EDITABLES) $(TOOLS) "torch==2.13.0"
+	.lock-venv/bin/python -m pip install -q $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS) "torch==2.13.0"
+	.lock-venv/bin/python -m pip install -q --no-deps $(COOKBOOK)
 	{ sed -n '1,/^$$/p' $(CONSTRAINTS) | grep '^#'; \
 	  .lock-venv/bin/python -m pip freeze --exclude-editable | grep -v '^-e' \
 	    | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' | LC_ALL=C sort -f; } > $(CONSTRAINTS).new
