@@ -40,9 +40,9 @@ from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncErro
 from rl_core.interfaces import LossFn, Policy
 from rl_core.logprobs import linear_logprobs
 from rl_core.lora import LoRAConfig
+from rl_core.memory import trim_host_memory
 from rl_core.offload import Offloadable, OffloadConfig, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
-from rl_hf._allocator import trim_host_memory
 from rl_hf._hf import enable_activation_checkpointing, hf_state_dict, token_logprobs
 from rl_hf._offload import training_state
 from rl_hf._policy_lora import PolicyLoRA
@@ -154,7 +154,7 @@ class HFPolicy(Offloadable, Policy):
         trim_host_memory: bool = True
         """After each ``train_step``, return the memory the C allocator holds freed (the step's
         temporaries) to the system: glibc ``malloc_trim(0)`` on Linux, a no-op elsewhere
-        (:mod:`rl_hf._allocator`). Values are unchanged; the process's RSS between steps drops
+        (:mod:`rl_core.memory`). Values are unchanged; the process's RSS between steps drops
         to about the live state. ``false``: glibc keeps the freed memory for the next step."""
 
         def __post_init__(self) -> None:
