@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -55,6 +55,7 @@ __all__ = [
     "Critic",
     "DataSource",
     "GenerateFn",
+    "GenerationChunk",
     "Generator",
     "GroupFilter",
     "GroupRewardFn",
@@ -251,6 +252,21 @@ class WeightTarget(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationChunk:
+    """One piece of a streamed generation (:meth:`Generator.generate_stream`): the tokens
+    sampled since the previous chunk and their log-probs; the last chunk also carries the
+    whole :class:`~rl_core.types.GenerationResult`. The chunks' ``output_ids`` concatenated are
+    the result's ``output_ids`` (the same for the log-probs)."""
+
+    output_ids: tuple[int, ...]
+    """Token ids sampled since the previous chunk (may be empty on the last chunk)."""
+    output_logprobs: tuple[float, ...]
+    """Their log-probs, one per id."""
+    result: GenerationResult | None = None
+    """The finished result, on the last chunk only."""
+
+
 class Generator(abc.ABC):
     """A rollout engine: token ids in, sampled token ids and log-probs out.
 
@@ -288,6 +304,20 @@ class Generator(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
         """Take the weights of ``update`` through ``transport``; on failure stay on the old ones."""
+
+    streams_tokens: ClassVar[bool] = False
+    """:meth:`generate_stream` yields tokens as they are sampled; ``False``: it yields the whole
+    result once it is generated (the default implementation)."""
+
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Serve one request, yielding :class:`GenerationChunk` pieces as tokens are sampled;
+        the last chunk carries the :class:`~rl_core.types.GenerationResult`, the same result
+        :meth:`generate` returns for the request (same tokens and log-probs for a seeded
+        request). The default generates the whole result, then yields it as one chunk; engines
+        that stream set :attr:`streams_tokens`. Closing the iterator early does not abort the
+        request (call :meth:`abort`)."""
+        (result,) = await self.generate([request])
+        yield GenerationChunk(result.output_ids, result.output_logprobs, result)
 
     async def health(self) -> bool:
         """True when the engine can serve requests."""

@@ -55,7 +55,7 @@ import inspect
 import random
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -64,7 +64,7 @@ import torch
 
 from rl_core.config import NonNegFloat, NonNegInt, PositiveInt, Range, Seed
 from rl_core.errors import ConfigError, GenerationError, WeightSyncError
-from rl_core.interfaces import Generator, WeightTransport
+from rl_core.interfaces import GenerationChunk, Generator, WeightTransport
 from rl_core.lora import AdapterInfo, adapter_of
 from rl_core.types import (
     FinishReason,
@@ -106,6 +106,8 @@ class HFGenerator(Generator):
     ``ConfigError``."""
     truncated_logprobs: ClassVar[bool] = True
     """Log-probs are under the top-k / top-p truncated distribution each token was drawn from."""
+    streams_tokens: ClassVar[bool] = True
+    """:meth:`generate_stream` yields each decode step's token as the step ends."""
     supports_lora_adapters: ClassVar[bool] = True
     """Takes adapter-only updates (:func:`rl_core.lora.adapter_of`): the model is adapted in
     place through peft, several adapters are kept by name; a request's ``adapter`` picks one
@@ -285,6 +287,8 @@ class HFGenerator(Generator):
         self._cond = threading.Condition()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._staged: dict[asyncio.AbstractEventLoop, list[_Pending]] = {}
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        """Streamed requests (:meth:`generate_stream`) by ``id`` of their pending record."""
         self._updates_waiting = 0
         self._abort_all_epoch = 0
         self._abort_ids: set[str] = set()
@@ -308,10 +312,44 @@ class HFGenerator(Generator):
 
         Requests of concurrent calls made in the same event-loop tick share batches.
         """
+        if not requests:
+            if self._closed:
+                raise GenerationError(
+                    "HFGenerator.generate: the generator is closed; build a new one."
+                )
+            return []
+        pending = self._submit(requests)
+        return list(await asyncio.gather(*(p.future for p in pending)))
+
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Serve ``request``, yielding the tokens each decode step samples for it (with their
+        log-probs) as the step ends, while the rest of its batch keeps decoding; the last chunk
+        carries the result, the one :meth:`generate` gives (the tokens and log-probs streamed
+        are the result's). Closing the iterator early stops the stream, not the request (call
+        :meth:`abort`)."""
+        queue: asyncio.Queue[tuple[tuple[int, ...], tuple[float, ...]] | None] = asyncio.Queue()
+        (p,) = self._submit([request], stream=queue)
+        p.future.add_done_callback(lambda _: queue.put_nowait(None))
+        sent = 0
+        try:
+            while (item := await queue.get()) is not None:
+                sent += len(item[0])
+                yield GenerationChunk(item[0], item[1])
+            result = p.future.result()
+            yield GenerationChunk(result.output_ids[sent:], result.output_logprobs[sent:], result)
+        finally:
+            self._streams.pop(id(p), None)
+
+    def _submit(
+        self,
+        requests: Sequence[GenerationRequest],
+        stream: asyncio.Queue[Any] | None = None,
+    ) -> list[_Pending]:
+        """Queue ``requests`` for the worker (batched with the other requests of this
+        event-loop tick); with ``stream``, each decode step's token of the (single) request is
+        put on that queue."""
         if self._closed:
             raise GenerationError("HFGenerator.generate: the generator is closed; build a new one.")
-        if not requests:
-            return []
         loop = asyncio.get_running_loop()
         pending = []
         for req in requests:
@@ -320,13 +358,15 @@ class HFGenerator(Generator):
             if seed is None:
                 seed = self._seed_rng.getrandbits(63)
             pending.append(_Pending(req, loop, loop.create_future(), int(seed)))
+        if stream is not None:
+            self._streams[id(pending[0])] = (loop, stream)
         staged = self._staged.get(loop)
         if staged is None:
             # Flush after the other tasks of this tick have queued theirs: one batch for a gather.
             self._staged[loop] = staged = []
             loop.call_soon(self._flush, loop)
         staged.extend(pending)
-        return list(await asyncio.gather(*(p.future for p in pending)))
+        return pending
 
     async def update_weights(self, update: WeightUpdate, transport: WeightTransport) -> None:
         """``transport.apply(update, self)`` in a worker thread; waits for the running batch.
@@ -723,6 +763,8 @@ class HFGenerator(Generator):
         live_A = torch.ones(B, dtype=torch.bool)
         abort_seq = self._abort_seq
         steps = 0
+        # Streamed rows (generate_stream): batch index -> (loop, queue), known before decoding.
+        streamed = {b: q for b, p in enumerate(batch) if (q := self._streams.get(id(p)))}
         for t in range(T):
             tok_A, lp_A = _sample_rows(
                 logits_AV.float(),
@@ -737,6 +779,8 @@ class HFGenerator(Generator):
             steps += 1
             st["ids"][:, t] = tok_A
             st["lp"][:, t] = lp_A.cpu()
+            if streamed:
+                _stream_step(streamed, st["row"], live_A, tok_A, st["lp"][:, t])
             stop_A = (tok_A[:, None] == st["stop"]).any(-1)
             ended_A = live_A & (stop_A | (st["max_new"] <= t + 1))
             live_A &= ~ended_A
@@ -795,6 +839,31 @@ class HFGenerator(Generator):
             **{self._cache_arg: cache},
             use_cache=True,
         ).logits[:, -1]
+
+
+def _stream_step(
+    streamed: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]],
+    row_A: torch.Tensor,
+    live_A: torch.Tensor,
+    tok_A: torch.Tensor,
+    lp_A: torch.Tensor,
+) -> None:
+    """Hand this step's token and log-prob of every streamed row that was live to its
+    caller's event loop (one wake-up per loop); posted before the step's ended rows are
+    emitted, so a stream's tokens arrive before its result."""
+    out: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+    rows, live, toks, lps = row_A.tolist(), live_A.tolist(), tok_A.tolist(), lp_A.tolist()
+    for a, b in enumerate(rows):
+        if live[a] and b in streamed:
+            loop, queue = streamed[b]
+            out.setdefault(loop, []).append((queue, ((toks[a],), (lps[a],))))
+    for loop, items in out.items():
+        _post(loop, _put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class _AdapterTarget:
