@@ -5,7 +5,7 @@ rather than exact pins, and installing the wheels into a venv that already holds
 from the allowed range leaves that torch in place (docs/versioning.md).
 
 Needs the ``dev`` extra of rlpost-core (``build``, ``twine``). The distribution names were
-checked free on PyPI with ``pip index versions NAME`` (2026-11-29): ``rlpost`` and all eight
+checked free on PyPI with ``pip index versions NAME`` (2026-11-29): ``rlpost`` and all nine
 ``rlpost-*`` names are unregistered, while ``rl-agents`` (an unrelated 0.1.x that satisfied
 ``rl-agents>=0.1,<0.2``) and ``rlstack`` are taken.
 """
@@ -45,6 +45,7 @@ DISTRIBUTIONS = {
     "rlpost-sglang": "rl_sglang",
     "rlpost-megatron": "rl_megatron",
     "rlpost-trainer": "rl_trainer",
+    "rlpost-tinker": "rl_tinker",
 }
 # Names the project must never require again: PyPI's rl-agents is someone else's project, and the
 # other old names are unregistered, so anyone could publish them.
