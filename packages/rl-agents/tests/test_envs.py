@@ -324,6 +324,34 @@ def test_tool_calls_are_parsed_and_counted(tok):
     assert r.metadata["env_reward"] == 0.0  # the env saw no call and took it as the answer
 
 
+def test_tool_calls_parsed_in_the_configured_family(tok):
+    """``tool_format`` picks the family parser: a Mistral ``[TOOL_CALLS]`` turn and a Llama 3
+    JSON call reach the environment as calls; under the default (hermes) the same Mistral turn
+    is plain text; an unknown family is a ConfigError naming the key."""
+    mistral = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}]\n'
+    for family, call in (
+        ("mistral", mistral),
+        ("llama3", '{"name": "add", "parameters": {"a": 2, "b": 3}}\n'),
+    ):
+        gen = Scripted(tok, [call, "ANSWER 5\n"])
+        _, (r,) = _run(
+            "t_adder",
+            gen,
+            tok,
+            _prompt(tok, label=5),
+            sampling={"max_new_tokens": 128},
+            tool_format=family,
+        )
+        assert r.metadata["tool_calls"] == 1, family
+        assert r.metadata["ill_formed_tool_calls"] == 0
+        assert r.metadata["env_reward"] == 1.0 and r.metadata["env_end"] == "done"
+    gen = Scripted(tok, [mistral, "ANSWER 5\n"])
+    _, (r,) = _run("t_adder", gen, tok, _prompt(tok, label=5), sampling={"max_new_tokens": 128})
+    assert r.metadata["tool_calls"] == 0 and r.metadata["env_reward"] == 0.0
+    with pytest.raises(ConfigError, match="generate_fn.tool_format"):
+        EnvRollout.Config(env="t_adder", tool_format="llama")
+
+
 def test_end_reasons_max_turns_and_length(tok):
     """An episode the environment never ends stops after ``max_turns`` model turns, or when the
     token budget is full (the last request asked only for what was left)."""

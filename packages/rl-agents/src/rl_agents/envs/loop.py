@@ -55,12 +55,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from rl_agents.chat import ChatFormat
 from rl_agents.envs.base import Action, StepResult
+from rl_agents.parsers import FAMILIES, ParsedCompletion
 from rl_agents.trajectory import TrajectoryBuilder
 from rl_core import registry
 from rl_core.config import CodeRef, PositiveInt, Range, from_dict
 from rl_core.errors import ConfigError, DataError, RewardError
 from rl_core.interfaces import RolloutContext
-from rl_core.types import FinishReason, Prompt, Rollout, RolloutStatus
+from rl_core.types import FinishReason, GenerationResult, Prompt, Rollout, RolloutStatus
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,14 @@ class EnvRollout:
         """Episodes that may run at once across every prompt of the run (the others wait their
         turn); ``None``: no cap."""
         parse_tool_calls: bool = True
-        """Parse ``<tool_call>`` JSON blocks of each turn into ``Action.tool_calls``."""
+        """Parse each turn's tool calls (in the ``tool_format`` family's format) into
+        ``Action.tool_calls``."""
+        tool_format: str = "hermes"
+        """The model family whose tool-call format turns are parsed in
+        (:data:`rl_agents.parsers.FAMILIES`: ``hermes`` (Qwen ``<tool_call>`` JSON blocks),
+        ``qwen3_coder``, ``llama3``, ``mistral``, ``deepseek``, ``glm``, ``kimi_k2``); the
+        policy's own family when it was trained to call tools in its format. Families whose
+        calls are marked by special tokens are parsed from the text decoded with them."""
         sync_env: Literal["thread", "inline"] = "thread"
         """How plain (``def``) ``reset``/``step`` run: on a daemon thread per call, or on the
         event loop (instant steps only: a slow one stalls generation)."""
@@ -126,6 +134,12 @@ class EnvRollout:
                 raise ConfigError(
                     "generate_fn.env: name the environment class, e.g. "
                     "env: 'my_pkg.envs:MyEnv' (or a name of the rl.envs entry-point group)."
+                )
+            if self.tool_format not in FAMILIES:
+                raise ConfigError(
+                    f"generate_fn.tool_format: unknown model family {self.tool_format!r}; "
+                    f"expected one of: {', '.join(sorted(FAMILIES))} (hermes: Qwen-style "
+                    "<tool_call> JSON blocks)."
                 )
             if self.sync_env not in ("thread", "inline"):
                 raise ConfigError(
@@ -186,6 +200,22 @@ class EnvRollout:
             out = await _in_daemon_thread(fn, *args)
         return await out if inspect.isawaitable(out) else out
 
+    def _parse(
+        self, result: GenerationResult, text: str, tokenizer: Any = None
+    ) -> ParsedCompletion:
+        """Tool calls of one turn in ``Config.tool_format``: Hermes from ``text`` (decoded
+        without special tokens, as before families were configurable); other families from
+        the text decoded with its special tokens (their call markers may be special tokens),
+        a final stop token left out."""
+        c = self.config
+        if c.tool_format == "hermes":
+            return ChatFormat.parse(text, tools_enabled=c.parse_tool_calls)
+        ids = list(result.output_ids)
+        if result.finish_reason == FinishReason.STOP and ids:
+            ids = ids[:-1]
+        raw = tokenizer.decode(ids, skip_special_tokens=False)
+        return FAMILIES[c.tool_format].parse(raw, tools_enabled=c.parse_tool_calls)
+
     async def _episode(self, prompt: Prompt, ctx: RolloutContext, k: int) -> Rollout:
         c = self.config
         sid = f"{prompt.uid}/{k}"
@@ -215,7 +245,7 @@ class EnvRollout:
                 )
                 traj.append_model(result)
                 text = ctx.tokenizer.decode(list(result.output_ids), skip_special_tokens=True)
-                parsed = ChatFormat.parse(text, tools_enabled=c.parse_tool_calls)
+                parsed = self._parse(result, text, ctx.tokenizer)
                 calls += len(parsed.tool_calls)
                 ill_formed += int(parsed.ill_formed)
                 action = Action(
