@@ -205,6 +205,7 @@ class BaseModel:
         *,
         device: str = "cpu",
         max_sampler_slots: int = 4,
+        sampler: str = "hf",
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -249,6 +250,22 @@ class BaseModel:
             eos = self.tokenizer.eos_token_id
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         """Token ids that end a sample when ``stop`` is not given."""
+        self.generator: Any = None
+        """With ``sampler="hf"`` the :class:`~rl_tinker.sampler.GeneratorSampler` (an
+        :class:`~rl_hf.HFGenerator` sharing this model's weights) that samples; ``None``
+        (``sampler="policy"``): :meth:`sample` decodes with its own loop on the peft model."""
+        if sampler == "hf":
+            from rl_tinker.sampler import GeneratorSampler
+
+            self.generator = GeneratorSampler(
+                model,
+                self.tokenizer,
+                model_path=str(self.path),
+                device=device,
+                max_slots=max_sampler_slots,
+            )
+        elif sampler != "policy":
+            raise ConfigError(f"sampler: unknown {sampler!r}; use 'hf' or 'policy'.")
 
     # adapters -------------------------------------------------------------------------------
 
@@ -615,6 +632,12 @@ class BaseModel:
         self._sampler_slots[key] = slot
         return slot
 
+    def close(self) -> None:
+        """Stop the generator (``sampler="hf"``)."""
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
+
     def forget_sampler(self, key: str) -> None:
         """Drop the sampler slot of ``key`` if loaded."""
         slot = self._sampler_slots.pop(key, None)
@@ -645,9 +668,6 @@ class BaseModel:
         self._check_tokens(prompt)
         if prompt.size + max_tokens > self.max_context:
             max_tokens = max(0, self.max_context - int(prompt.size))
-        adapter = None
-        if weights is not None:
-            adapter = self._sampler_slot(weights[0], weights[1], weights[2])
         stop_ids: set[int] = set()
         stop_strs: list[str] = []
         if stop is None:
@@ -660,6 +680,23 @@ class BaseModel:
                     stop_strs.append(s)
                 else:
                     stop_ids.add(int(s))
+        if self.generator is not None:
+            return self._sample_generator(
+                prompt,
+                weights=weights,
+                num_samples=num_samples,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                stop_ids=stop_ids,
+                stop_strs=stop_strs,
+                seed=seed,
+                prompt_logprobs=prompt_logprobs,
+            )
+        adapter = None
+        if weights is not None:
+            adapter = self._sampler_slot(weights[0], weights[1], weights[2])
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         with self._active(adapter, train=False) as model:
@@ -717,3 +754,40 @@ class BaseModel:
             sequences=[(toks[r], lps[r], reasons[r]) for r in range(num_samples)],
             prompt_logprobs=plp,
         )
+
+    def _prompt_logprobs(self, prompt: np.ndarray, adapter: str | None) -> list[float]:
+        """Log-prob of each prompt token given the ones before (NaN first) under ``adapter``."""
+        with self._active(adapter, train=False) as model:
+            ids = torch.from_numpy(prompt.astype(np.int64)).to(self.device)[None]
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            return [math.nan, *lp.gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()]
+
+    @torch.no_grad()
+    def _sample_generator(
+        self,
+        prompt: np.ndarray,
+        *,
+        weights: tuple[str, LoraSpec, Mapping[str, torch.Tensor]] | None,
+        prompt_logprobs: bool,
+        **kw: Any,
+    ) -> SampleResult:
+        """:meth:`sample` served by :attr:`generator`: the snapshot is a named adapter of the
+        generator (loaded once, adapter-only); prompt log-probs (``compute_logprobs``) come
+        from a forward of this peft model with the snapshot in a sampler slot."""
+        from rl_core.errors import WeightSyncError
+
+        name = None
+        if weights is not None:
+            key, lora, tensors = weights
+            try:
+                name = self.generator.adapter(
+                    key, lora.rank, LORA_ALPHA, lora.targets(self._linear), tensors
+                )
+            except WeightSyncError as e:
+                raise CheckpointError(f"sampler weights {key} do not fit {self.name}: {e}") from e
+        plp = None
+        if prompt_logprobs:
+            slot = None if weights is None else self._sampler_slot(*weights)
+            plp = self._prompt_logprobs(prompt, slot)
+        seqs = self.generator.sample(prompt, adapter=name, **kw)
+        return SampleResult(sequences=seqs, prompt_logprobs=plp)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from rl_core.config import Range
 
@@ -40,8 +40,15 @@ class ServiceConfig:
     """Training clients the whole service holds; more is answered 400."""
     max_queued_per_model: Annotated[int, Range(ge=1)] = 64
     """Operations a training client may have submitted and not finished; more is answered 400."""
+    sampler: Literal["hf", "policy"] = "hf"
+    """What serves ``sample``: ``hf``, rl-hf's ``HFGenerator`` in process (batched KV-cache
+    decoding on a module tree that shares the base model's weights; each sampler snapshot a
+    named LoRA adapter of it, loaded adapter-only and picked per request); ``policy``, the
+    service's own token-by-token loop on the training peft model (no generator). Prompt
+    log-probs (``compute_logprobs``) are a forward of the training model either way."""
     max_sampler_slots: Annotated[int, Range(ge=1)] = 4
-    """Sampler snapshots kept loaded per base model (least recently used dropped)."""
+    """Sampler snapshots kept loaded per base model (least recently used dropped; with
+    ``sampler: hf`` per LoRA shape, the slot then reused by the next snapshot)."""
     max_sample_tokens: Annotated[int, Range(ge=1)] = 4096
     """Cap on ``max_tokens`` of a sample request."""
     future_poll_s: Annotated[float, Range(gt=0, le=40)] = 20.0

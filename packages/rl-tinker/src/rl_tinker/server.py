@@ -143,6 +143,7 @@ class TinkerService:
                 Path(self.config.models[key]).expanduser(),
                 device=self.config.device,
                 max_sampler_slots=self.config.max_sampler_slots,
+                sampler=self.config.sampler,
             )
         return self._bases[key]
 
@@ -806,6 +807,8 @@ class TinkerService:
             self._queue.clear()
             self._cond.notify()
         self._worker.join(timeout=120)
+        for base in self._bases.values():
+            base.close()
 
 
 def _chunk_tokens(chunk: dict[str, Any]) -> list[int]:
