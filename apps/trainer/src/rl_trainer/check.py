@@ -9,7 +9,7 @@ It does what the trainer does up to the first generation, and stops there:
    through the registry as the trainer does, so every line of every file is read and checked;
 4. draws a few prompts of each and decodes their token ids: the prompt exactly as the model
    will see it, chat template and special tokens included;
-5. scores, with the reward of each set and the trainer's own :class:`~rl_trainer.rollout.Scorer`,
+5. scores, with the reward of each set and the trainer's own :class:`~rl_buffer.scoring.Scorer`,
    two dummy responses (an empty one and a wrong answer) and the label answer (``str(label)``,
    the text the SFT warm-up trains toward);
 6. with a ``rollout.generate_fn``, calls it once on a train prompt with a generator that ends
@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rl_buffer.failures import RolloutStats
+from rl_buffer.scoring import Scorer
 from rl_core import registry
 from rl_core.config import ComponentSpec, from_dict, to_dict
 from rl_core.errors import RLError
@@ -72,7 +74,6 @@ from rl_trainer.build import (
 )
 from rl_trainer.config import TrainerConfig, load_trainer_config
 from rl_trainer.presets import PRESET_SECTIONS, load_preset, shadowed_keys
-from rl_trainer.rollout import RolloutStats, Scorer
 
 __all__ = ["DUMMY_RESPONSES", "CheckReport", "Finding", "SampleRow", "check_recipe", "print_report"]
 
@@ -525,21 +526,33 @@ def _session_reward(
             )
         )
     where = f"{target.reward_field} on {target.set_name}"
+    type_name = _type_name(cfg, target)
+    env = type(target.reward).__name__ == "EnvReward" or "env_reward" in type_name
+    scored_what = (
+        "an environment's episode (env_reward: the sum of the rewards its steps returned)"
+        if env
+        else "an agent's session (the reward its program reported)"
+    )
     skipped = (
-        f"the reward ({_type_name(cfg, target)}) scores an agent's session (the reward its "
-        "program reported), not a response text, so the dummy and label responses are not "
-        "scored (the '-' columns)"
+        f"the reward ({type_name}) scores {scored_what}, not a response text, so the dummy "
+        "and label responses are not scored (the '-' columns)"
     )
     if cfg.rollout.generate_fn is None:
+        runner = (
+            "an environment loop (type: env, with env: <your Environment class>)"
+            if env
+            else "an agent (type: agent, program or command)"
+        )
         report.problem(
             where,
-            f"{skipped}, and no rollout.generate_fn runs sessions: every rollout would fail. "
-            "Set rollout.generate_fn to an agent (type: agent, program or command) or use a "
-            "reward that scores the response.",
+            f"{skipped}, and no rollout.generate_fn runs {'episodes' if env else 'sessions'}: "
+            f"every rollout would fail. Set rollout.generate_fn to {runner} or use a reward "
+            "that scores the response.",
         )
         return
+    unit = "episode" if env else "session"
     if target.set_name != "train" or probed is None:
-        report.note(where, f"{skipped}; the train set's dry session is scored instead.")
+        report.note(where, f"{skipped}; the train set's dry {unit} is scored instead.")
         return
     rollouts = [r for g in probed for r in g.rollouts]
     stats = RolloutStats()
@@ -551,13 +564,13 @@ def _session_reward(
         why = first.error if first is not None else "no rollout came back"
         report.problem(
             where,
-            f"{skipped}; the dry session(s) on prompt {probed[0].prompt.uid} (every generation "
+            f"{skipped}; the dry {unit}(s) on prompt {probed[0].prompt.uid} (every generation "
             f"answered with EOS) gave no reward: {why}",
         )
         return
     report.note(
         where,
-        f"{skipped}; the dry session(s) on prompt {probed[0].prompt.uid} (every generation "
+        f"{skipped}; the dry {unit}(s) on prompt {probed[0].prompt.uid} (every generation "
         f"answered with EOS) scored {', '.join(f'{x:g}' for x in scored)} "
         f"({len(scored)} of {len(rollouts)} rollouts).",
     )
@@ -661,7 +674,7 @@ def _probe_generate_fn(
     the trainer calls it: a function that raises, returns nothing or not a list of
     ``Rollout`` is a problem now rather than at the first round. Returns the groups it gave
     (for a session reward to score), or ``None`` when the call failed."""
-    from rl_trainer.rollout import generate_groups
+    from rl_buffer.rollout import generate_groups
 
     ok, fn = _attempt(
         report,
