@@ -142,7 +142,8 @@ def test_async_local_runs_split_the_threads(tmp_path):
     def cfg(**extra):
         return load_trainer_config(recipe_path("demo"), [f"{k}={v}" for k, v in extra.items()])
 
-    on = {"rl.async_generation": "true"}
+    # In process: said explicitly, the demo's 400 steps would choose the generator process.
+    on = {"rl.async_generation": "true", "runtime.generator_process": "false"}
     proc = {**on, "runtime.generator_process": "true"}
     assert thread_split(cfg(threads=2, **on)) == (2, 1)
     assert thread_split(cfg(threads=5, **on)) == (5, 2)

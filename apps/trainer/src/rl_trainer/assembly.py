@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rl_buffer.sampler import DynamicSampler
 from rl_core import registry
@@ -38,6 +39,7 @@ from rl_trainer.build import (
     with_defaults,
 )
 from rl_trainer.config import TrainerConfig
+from rl_trainer.defaults import auto_choices, generator_process, policy_compile, use_inductor_cache
 from rl_trainer.ops.evaluation import EvalSet, build_eval_sets
 from rl_trainer.rollout import GuardedFilter, Scorer
 
@@ -49,6 +51,7 @@ __all__ = [
     "build_policy",
     "build_transports",
     "free_port",
+    "report_auto_choices",
     "thread_split",
 ]
 
@@ -97,6 +100,7 @@ def assemble(cfg: TrainerConfig) -> Components:
     (policy, generator, weight transport; and the ``ray`` runtime's settings), so a mistake
     fails before any model is built."""
     model_path = init_model_path(cfg)
+    report_auto_choices(cfg)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -152,6 +156,15 @@ def assemble(cfg: TrainerConfig) -> Components:
         loss_fn=PolicyLoss(loss_config),
         value_loss_fn=value_loss_fn,
     )
+
+
+def report_auto_choices(cfg: TrainerConfig, file: Any = None) -> None:
+    """Print the settings chosen for the run because the recipe left them open
+    (:func:`rl_trainer.defaults.auto_choices`) as the run's first line on stderr (or ``file``)."""
+    choices = auto_choices(cfg)
+    if choices:
+        lines = "; ".join(c.line() for c in choices)
+        print(f"rl-train: chosen for this run: {lines}", file=file or sys.stderr, flush=True)
 
 
 def _data_and_rewards(cfg: TrainerConfig, tokenizer: Any) -> tuple[Any, Scorer, list[EvalSet]]:
@@ -259,15 +272,31 @@ def _algorithm(cfg: TrainerConfig) -> tuple[Any, PolicyLoss.Config, ValueLoss | 
 
 # ----------------------------------------------------------------------------- models
 def build_policy(
-    cfg: TrainerConfig, runtime: Any, model_path: str, *, role: str = "policy", **overrides: Any
+    cfg: TrainerConfig,
+    runtime: Any,
+    model_path: str,
+    *,
+    role: str = "policy",
+    phase: Literal["rl", "sft"] = "rl",
+    **overrides: Any,
 ) -> Any:
     """The policy (or, with ``role="reference"``, the reference model) loaded from
     ``model_path``; ``overrides`` replace options (the SFT phase's ``lr``, the sampling
-    temperature). On the ``ray`` runtime it lives in the policy ranks."""
+    temperature). On the ``ray`` runtime it lives in the policy ranks. The RL phase's policy
+    compiles when the recipe leaves ``compile_model`` open and the run is long enough
+    (:func:`rl_trainer.defaults.policy_compile`); a compiling policy gets inductor's persistent
+    cache (:func:`rl_trainer.defaults.use_inductor_cache`)."""
     spec = with_defaults("policy", cfg.policy, model_path=model_path, seed=cfg.seed)
+    auto: dict[str, Any] = {}
+    if role == "policy":
+        compile_model = policy_compile(cfg, phase=phase)
+        if compile_model is not None:
+            auto["compile_model"] = compile_model
     spec = ComponentSpec(
-        type=spec.type, options={**spec.options, "model_path": model_path, **overrides}
+        type=spec.type, options={**auto, **spec.options, "model_path": model_path, **overrides}
     )
+    if spec.options.get("compile_model") and runtime is None:
+        use_inductor_cache(cfg)
     if runtime is not None:
         return runtime.build_policy(spec, role=role)
     return registry.build("policy", spec, field="policy")
@@ -293,7 +322,8 @@ def thread_split(cfg: TrainerConfig) -> tuple[int, int | None]:
     - ``rl.async_generation``, generator in this process: ``(threads, g)`` with
       ``g = threads // 2``: the generating thread runs beside the trainer's threads, and
       ``threads + threads`` oversubscribed the cores (demo, 2 threads: -15..20% per step);
-    - ``rl.async_generation`` with ``runtime.generator_process``: ``(threads - g, g)``: each
+    - ``rl.async_generation`` with the generator process (``runtime.generator_process``, as
+      :func:`rl_trainer.defaults.generator_process` resolves it): ``(threads - g, g)``: each
       process on cores of its own (demo and small, 2 threads: 1 + 1 beat 2 + 1 by 10-25%).
 
     docs/performance.md has the measurements.
@@ -301,7 +331,7 @@ def thread_split(cfg: TrainerConfig) -> tuple[int, int | None]:
     if cfg.runtime.type != "local" or not cfg.rl.async_generation or cfg.threads < 2:
         return cfg.threads, None
     g = cfg.threads // 2
-    return (cfg.threads - g if cfg.runtime.generator_process else cfg.threads), g
+    return (cfg.threads - g if generator_process(cfg) else cfg.threads), g
 
 
 async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
@@ -319,7 +349,7 @@ async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> 
     if runtime is not None:
         generator = runtime.build_generator(spec)
         await runtime.build_transport(transport_spec(cfg, model_path))
-    elif cfg.runtime.generator_process:
+    elif generator_process(cfg):
         from rl_trainer.generator_process import ProcessGenerator
 
         threads = int(spec.options.get("threads") or cfg.threads)  # the child's torch threads

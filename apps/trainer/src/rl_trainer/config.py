@@ -559,12 +559,23 @@ class RuntimeConfig:
     ``None`` waits as long as it takes."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of every actor."""
-    generator_process: bool = False
+    trim_host_memory: bool = True
+    """Once per RL step, after training and the weight sync, return the memory the C allocator
+    holds freed to the system (glibc ``malloc_trim(0)``, :mod:`rl_core.memory`; a no-op
+    elsewhere): the step's temporaries of any policy backend and of an in-process generator,
+    which glibc otherwise keeps (1.4-1.8 GB on SmolLM2-135M, issue #36). Values are unchanged.
+    This process only: on the ``ray`` runtime the ``hf`` policy ranks trim after each train
+    step themselves (``policy.trim_host_memory``)."""
+    generator_process: bool | None = None
     """``local`` runtime: run the generator (a backend taking weights through
     ``load_weights``: ``hf``) in a spawned process of its own instead of in this one, so its
     Python and the trainer's do not take turns on one GIL (with ``rl.async_generation``);
     requests go over a pipe and weights through shared memory
-    (:mod:`rl_trainer.generator_process`). Start-up pays the child's imports and model load."""
+    (:mod:`rl_trainer.generator_process`). Start-up pays the child's imports and model load.
+    ``None`` (auto): on for asynchronous runs with the ``hf`` generator, the ``inprocess``
+    weight transport, no LoRA and ``threads >= 2`` of at least
+    ``rl_trainer.defaults.GENERATOR_PROCESS_MIN_STEPS`` (358) RL steps, where the measured gain
+    repays the start-up (:mod:`rl_trainer.defaults`; ``rl-train check`` says what it chose)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -134,7 +134,8 @@ class HFPolicy(Offloadable, Policy):
         inductor's on-disk cache warm, for the demo model's layers; later steps are faster
         (docs/performance.md §7); values equal within float
         rounding, so fixed-seed curves differ from eager. Off by default: it wins on runs long
-        enough to pay the compile back."""
+        enough to pay the compile back, so ``rl-train`` turns it on for an RL phase of enough
+        steps when the recipe leaves it unset (:mod:`rl_trainer.defaults`)."""
         share_prefix: bool = True
         """Run each micro-batch with the prompt its sequences share (a GRPO group's samples)
         computed once (:class:`rl_hf._packed_attention.SharedPrefix`): every op outside

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
+from rl_core.memory import trim_host_memory
 from rl_trainer.assembly import (
     build_critic,
     build_generator,
@@ -213,6 +214,8 @@ async def rl_step(run_state: RunState) -> dict[str, Any]:
             await loop.run_in_executor(run_state.train_thread, stages.train, run_state, groups)
         )
         record["perf/rollout_wait"] = wait
+    if cfg.runtime.trim_host_memory:  # after training and the weight sync: any backend's
+        trim_host_memory()  # freed temporaries (and an in-process generator's) go back
     run_state.counters.rl_step = step
     record["perf/step_time"] = time.perf_counter() - t_step
     # CPU seconds of this process (all its threads; not an external engine's) over the step.

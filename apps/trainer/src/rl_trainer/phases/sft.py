@@ -37,7 +37,12 @@ async def run(run_state: RunState) -> bool:
     if not cfg.sft.lora and cfg.policy.options.get("lora") is not None:
         overrides["lora"] = None  # a full fine-tuning warm-up
     run_state.models.policy = build_policy(
-        cfg, run_state.runtime, run_state.parts.init_model_path, temperature=1.0, **overrides
+        cfg,
+        run_state.runtime,
+        run_state.parts.init_model_path,
+        phase="sft",  # the warm-up stays eager unless the recipe compiles (rl_trainer.defaults)
+        temperature=1.0,
+        **overrides,
     )
     load_resumed_models(run_state.resume, run_state.models)
     counters, cap = run_state.counters, cfg.rl.max_tokens_per_micro_batch
