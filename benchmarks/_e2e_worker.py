@@ -222,9 +222,9 @@ class HeldOutEval:
     """Greedy held-out eval exactly as ``Trainer.evaluate`` does it, on a copy of the weights."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
+        from rl_buffer.scoring import Scorer
         from rl_buffer.sources import JsonlSource
         from rl_hf.generator import HFGenerator
-        from rl_trainer.rollout import Scorer
         from rl_trainer.tasks import ReverseTask
 
         work = Path(settings["work_dir"])
@@ -248,7 +248,8 @@ class HeldOutEval:
 
     def __call__(self, named_weights: Any, step: int) -> dict[str, float]:
         """Load ``named_weights`` and score greedy answers to every held-out prompt."""
-        from rl_trainer.rollout import RolloutStats, generate_groups
+        from rl_buffer.failures import RolloutStats
+        from rl_buffer.rollout import generate_groups
 
         self.generator.load_weights(named_weights, version=step)
 

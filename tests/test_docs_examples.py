@@ -235,9 +235,9 @@ def _rollout_fn(doc: str, name: str):
 
 @pytest.mark.parametrize(("doc", "name"), ROLLOUT_EXAMPLES)
 def test_rollout_example_samples_differently_per_sample(doc, name, project):
+    from rl_buffer.rollout import generate_groups
     from rl_core.testing.fake_generator import FakeGenerator
     from rl_core.types import Prompt, SamplingParams
-    from rl_trainer.rollout import generate_groups
 
     module, attr = _rollout_fn(doc, name)
     fn = getattr(importlib.import_module(module), attr)

@@ -11,10 +11,10 @@ import textwrap
 import pytest
 from rich.console import Console
 
+from rl_buffer.rollout import agent_metrics
 from rl_core.types import Rollout
 from rl_trainer.cli import main
 from rl_trainer.ops.report import build_figure
-from rl_trainer.rollout import agent_metrics
 from rl_trainer.show import mask_regions, show_samples
 
 

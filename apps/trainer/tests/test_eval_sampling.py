@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from rl_buffer.scoring import Scorer
 from rl_core.errors import ConfigError
 from rl_trainer.config import EvalSamplingConfig, SamplingConfig, load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.rollout import Scorer
 
 
 def test_resolve_layers_fields_and_keeps_greedy_default():

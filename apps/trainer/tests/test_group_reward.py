@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+from rl_buffer.failures import RolloutStats
+from rl_buffer.filters import filter_groups
+from rl_buffer.scoring import Scorer
 from rl_core.rewards.group import MajorityVote
 from rl_core.types import RolloutStatus
-from rl_trainer.rollout import RolloutStats, Scorer, filter_groups
 
 
 def exact(prompt, response, rollout):

@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("peft")
 
+from rl_buffer import rollout
 from rl_core.errors import ConfigError
 from rl_core.lora import adapter_of, split_adapters
-from rl_trainer import rollout
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
 from rl_trainer.step import stages
@@ -174,9 +174,9 @@ def test_a_tagged_prompt_names_its_adapter_on_default_and_custom_requests() -> N
     ``generate_fn`` using ``ctx.generate``."""
     import asyncio
 
+    from rl_buffer.rollout import generate_groups, rollout_from_result
     from rl_core.lora import SEQUENCE_ADAPTER_KEY
     from rl_core.types import FinishReason, GenerationResult, Prompt, SamplingParams
-    from rl_trainer.rollout import generate_groups, rollout_from_result
 
     class Recorder:
         seen: list = []

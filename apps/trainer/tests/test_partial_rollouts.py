@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from rl_buffer import GroupBuffer
+from rl_buffer.rollout import PartialStats, generate_groups_resumable
 from rl_core.errors import ConfigError
 from rl_core.interfaces import Generator
 from rl_core.types import (
@@ -21,7 +22,6 @@ from rl_core.types import (
     SamplingParams,
 )
 from rl_trainer.config import load_trainer_config
-from rl_trainer.rollout import PartialStats, generate_groups_resumable
 from rl_trainer.step.pipeline import RolloutPipeline
 
 

@@ -18,10 +18,11 @@ import time
 import pytest
 import yaml
 
+from rl_buffer.failures import RolloutStats
+from rl_buffer.scoring import Scorer
 from rl_trainer.cli import EXIT_STOPPED
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.rollout import RolloutStats, Scorer
 
 _FOREVER = threading.Event()  # never set: waiting on it is a call that never returns
 

@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import torch
 
+from rl_buffer.scoring import Scorer
 from rl_core import registry
 from rl_core.errors import ConfigError
 from rl_core.types import Prompt
 from rl_hf.reward_model import RewardModel
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.rollout import Scorer
 
 TINY = {
     "hidden_size": 32,

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import math
 
+from rl_buffer.failures import RolloutStats
+from rl_buffer.filters import filter_groups
+from rl_buffer.rollout import derive_seed
+from rl_buffer.scoring import Scorer
 from rl_core.types import Group, Prompt, RolloutStatus
-from rl_trainer.rollout import RolloutStats, Scorer, derive_seed, filter_groups
 from rl_trainer.tasks import AdditionTask, ReverseTask, position_match
 
 
@@ -81,8 +84,8 @@ def test_tasks_score_and_hold_out():
 
 
 def test_engine_error_results_are_failed_rollouts_and_counted(char_tokenizer):
+    from rl_buffer.rollout import rollout_from_result
     from rl_core.types import FinishReason, GenerationResult
-    from rl_trainer.rollout import rollout_from_result
 
     prompt = Prompt(uid="p", input="x", token_ids=(1, 2), label="ab")
     err = GenerationResult(

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import yaml
 
+from rl_buffer.rollout import generate_groups, rollout_from_result
 from rl_core.errors import ConfigError, RLError
 from rl_core.interfaces import RolloutContext
 from rl_core.testing.fake_generator import FakeGenerator
@@ -20,7 +21,6 @@ from rl_core.types import Prompt, SamplingParams
 from rl_trainer.check import check_recipe
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
-from rl_trainer.rollout import generate_groups, rollout_from_result
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def _recipe(tmp_path, tiny_recipe_dict, fn_type: str):
 
 
 SYNC = """
-from rl_trainer.rollout import rollout_from_result
+from rl_buffer.rollout import rollout_from_result
 
 def solve(prompt, ctx):  # forgot `async`
     return []
@@ -89,7 +89,7 @@ def test_a_good_rollout_function_passes_check(tmp_path, tiny_recipe_dict, rollou
     rollout_module(
         "rf_good",
         """
-        from rl_trainer.rollout import rollout_from_result
+        from rl_buffer.rollout import rollout_from_result
 
         async def solve(prompt, ctx):
             out = []

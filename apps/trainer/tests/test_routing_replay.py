@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from rl_buffer.rollout import rollout_from_result
 from rl_core.config import load_config_file
 from rl_core.errors import ConfigError
 from rl_core.types import FinishReason, GenerationResult, Prompt
@@ -18,7 +19,6 @@ from rl_trainer.cli import recipe_path
 from rl_trainer.config import load_trainer_config
 from rl_trainer.lifecycle.checkpoint import load_trainer_state
 from rl_trainer.loop import Trainer
-from rl_trainer.rollout import rollout_from_result
 from rl_trainer.step.routing import check_support
 
 TINY_MOE = {

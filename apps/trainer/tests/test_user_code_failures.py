@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from rl_buffer.failures import RolloutStats, user_frame
+from rl_buffer.rollout import generate_groups
 from rl_buffer.sampler import SamplingExhaustedError
+from rl_buffer.scoring import Scorer
 from rl_core.errors import ConfigError, RewardError, RLError
 from rl_core.types import RolloutStatus, SamplingParams
 from rl_trainer.config import load_trainer_config
-from rl_trainer.failures import user_frame
 from rl_trainer.loop import Trainer
-from rl_trainer.rollout import RolloutStats, Scorer, generate_groups
 
 # Eval at RL step 0 runs the reward before the first round; max_prompts 0 keeps these runs to
 # the training rounds (the eval path has its own test).

@@ -21,7 +21,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rl_buffer.filters import GuardedFilter
 from rl_buffer.sampler import DynamicSampler
+from rl_buffer.scoring import Scorer
 from rl_core import registry
 from rl_core.algorithms import ADVANTAGE_ESTIMATORS, PolicyLoss, ValueLoss
 from rl_core.config import ComponentSpec, from_dict
@@ -41,7 +43,6 @@ from rl_trainer.build import (
 from rl_trainer.config import TrainerConfig
 from rl_trainer.defaults import auto_choices, generator_process, policy_compile, use_inductor_cache
 from rl_trainer.ops.evaluation import EvalSet, build_eval_sets
-from rl_trainer.rollout import GuardedFilter, Scorer
 
 __all__ = [
     "Components",

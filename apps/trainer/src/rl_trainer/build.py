@@ -140,8 +140,8 @@ def build_callable(kind: str, spec: ComponentSpec, protocol: type, *, field: str
     (:func:`rl_core.registry.check_callable`), so a wrong signature fails at start-up."""
     fn = registry.build(kind, spec, field=field)
     fn = registry.check_callable(fn, protocol, field=field, ref=spec.type)
-    if kind == "generate_fn":  # it must be awaitable (rl_trainer.rollout.check_generate_fn)
-        from rl_trainer.rollout import check_generate_fn
+    if kind == "generate_fn":  # it must be awaitable (rl_buffer.rollout.check_generate_fn)
+        from rl_buffer.rollout import check_generate_fn
 
         check_generate_fn(fn, field=field, ref=spec.type)
     return fn

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rl_agents.resumable import ResumableGenerator
+from rl_buffer.failures import FailureLog
 from rl_core.errors import RLError
 from rl_core.interfaces import Critic, Generator, Policy, Tokenizer, WeightTransport
 from rl_core.types import LogProbOutput, TrainBatch
 from rl_trainer.assembly import Components
 from rl_trainer.config import TrainerConfig
-from rl_trainer.failures import FailureLog
 from rl_trainer.lifecycle.stopping import StopSignals
 from rl_trainer.ops.evaluation import EvalSet
 from rl_trainer.ops.metrics import MetricsLogger

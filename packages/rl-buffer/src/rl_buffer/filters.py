@@ -6,6 +6,10 @@ a nested ``Config`` so a recipe can name and configure them (entry points ``rl.f
 
     filters = [RewardStdFilter(), OverlongFilter(OverlongFilter.Config(max_truncated_fraction=0.5))]
     reason = apply_filters(group, filters)     # first reason wins, or None
+
+User filters named in a config are wrapped in :class:`GuardedFilter` (a filter that raises drops
+its group as ``filter_error`` instead of crashing the round); :func:`filter_groups` drops the
+failed rollouts of scored groups, then the groups a filter rejects.
 """
 
 from __future__ import annotations
@@ -14,12 +18,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rl_buffer.failures import FailureReasons, InvalidResult, RolloutStats, short_repr, user_failure
 from rl_core.config import NonNegFloat, PositiveInt, Probability
 from rl_core.errors import ConfigError
 from rl_core.interfaces import GroupFilter
 from rl_core.types import Group, RolloutStatus
 
-__all__ = ["FailedStatusFilter", "OverlongFilter", "RewardStdFilter", "apply_filters"]
+__all__ = [
+    "FailedStatusFilter",
+    "GuardedFilter",
+    "OverlongFilter",
+    "RewardStdFilter",
+    "apply_filters",
+    "filter_groups",
+]
 
 
 def apply_filters(group: Group, filters: Sequence[GroupFilter]) -> str | None:
@@ -134,3 +146,57 @@ class FailedStatusFilter:
         if (failed + aborted) / len(group.rollouts) <= self.config.max_failed_fraction:
             return None
         return "failed" if failed >= aborted else "aborted"
+
+
+class GuardedFilter:
+    """A :class:`~rl_core.interfaces.GroupFilter` from the config that cannot crash a round.
+
+    A filter that raises, or returns something other than ``None`` or a string (a bool is a
+    common slip), drops the group with reason ``filter_error``; its rollouts count as failed in
+    :attr:`stats` (``rollout/failed/filter_error``) with the first cause. The trainer points
+    :attr:`stats` at each round's counters before the sampler applies the filters.
+    """
+
+    def __init__(self, fn: GroupFilter, name: str) -> None:
+        self.fn = fn
+        self.name = name
+        """The filter's config field and type, for failure reports."""
+        self.stats = RolloutStats()
+        """Where failures are counted (set per round by the trainer)."""
+
+    def __call__(self, group: Group) -> str | None:
+        """The wrapped filter's verdict, or ``filter_error`` when it failed."""
+        try:
+            reason = self.fn(group)
+            if reason is not None and not isinstance(reason, str):
+                raise InvalidResult(
+                    f"returned {type(reason).__name__} {short_repr(reason)} for prompt {group.uid}; "
+                    "a filter returns None to keep the group or a drop-reason string"
+                )
+        except Exception as e:  # user code must never crash the round
+            failure = user_failure(FailureReasons.FILTER_ERROR, self.name, e, group.uid, self.fn)
+            self.stats.record(FailureReasons.FILTER_ERROR, len(group.rollouts), failure)
+            return FailureReasons.FILTER_ERROR
+        return reason
+
+
+def filter_groups(
+    groups: Sequence[Group], filters: Sequence[GroupFilter], stats: RolloutStats
+) -> list[Group]:
+    """Drop failed rollouts, then groups with no trainable rollout or rejected by a filter."""
+    kept = []
+    for g in groups:
+        g.rollouts = [r for r in g.rollouts if r.status.is_trainable() and r.reward is not None]
+        if not g.rollouts:
+            stats.dropped["no_valid_rollout"] += 1
+            continue
+        reason = None
+        for f in filters:
+            reason = f(g)
+            if reason:
+                break
+        if reason:
+            stats.dropped[reason] += 1
+            continue
+        kept.append(g)
+    return kept

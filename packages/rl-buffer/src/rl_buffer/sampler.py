@@ -25,6 +25,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from rl_buffer.failures import (
+    Failure,
+    FailureReasons,
+    describe_failures,
+    error_class,
+    fix_hint,
+)
 from rl_buffer.filters import apply_filters
 from rl_core.config import PositiveInt, Range
 from rl_core.errors import ConfigError, RLError
@@ -32,7 +39,7 @@ from rl_core.interfaces import GroupFilter
 from rl_core.serde import group_from_dict, group_to_dict
 from rl_core.types import Group
 
-__all__ = ["DynamicSampler", "SamplingExhaustedError"]
+__all__ = ["DynamicSampler", "SamplingExhaustedError", "exhausted_error"]
 
 
 class SamplingExhaustedError(RLError, RuntimeError):
@@ -212,3 +219,69 @@ class DynamicSampler:
         self._kept = deque(group_from_dict(d) for d in state["kept"])
         self._step = Counter({k: int(v) for k, v in state["step"].items()})
         self.totals = Counter({k: int(v) for k, v in state["totals"].items()})
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def exhausted_error(
+    *,
+    rounds: int,
+    kept: int,
+    wanted: int,
+    n_samples: int,
+    step_counts: Mapping[str, int],
+    rollouts: int,
+    failed: Mapping[str, int],
+    first: Mapping[str, Failure],
+    unusable: int,
+) -> RLError:
+    """The error when ``rollout.max_rounds`` rounds kept only ``kept`` of ``wanted`` groups.
+
+    It names what lost the groups, the larger cause first: the filters, with their drop reasons
+    (``step_counts``: the sampler's counts of the step), and failing code, with the first cause
+    of each reason (``failed``/``first`` of ``rollouts``). ``unusable`` groups had no trainable
+    rollout left. A :class:`RewardError` when a failing reward lost most, a
+    :class:`SamplingExhaustedError` when the filters did.
+    """
+    drops = {
+        k.removeprefix("drop_"): n
+        for k, n in step_counts.items()
+        if k.startswith("drop_") and k != f"drop_{FailureReasons.FILTER_ERROR}"
+    }
+    n_failed = sum(failed.values())
+    parts: list[tuple[int, str]] = []  # (rollouts lost, explanation)
+    if drops:
+        n = sum(drops.values())
+        listed = ", ".join(f"{k}: {v}" for k, v in sorted(drops.items()))
+        parts.append(
+            (
+                n * n_samples,
+                f"the filters dropped {n} of the {step_counts.get('seen', 0)} groups they saw "
+                f"({listed}); relax them, or raise rollout.max_rounds or "
+                "rollout.over_sampling_factor",
+            )
+        )
+    if n_failed:
+        hint = fix_hint(failed).rstrip(".")
+        parts.append(
+            (
+                n_failed,
+                f"{n_failed} of {rollouts} rollouts failed ({describe_failures(failed, first)}); "
+                f"{hint[:1].lower()}{hint[1:]}",
+            )
+        )
+    if not parts and unusable:
+        parts.append((unusable, f"{_plural(unusable, 'group')} had no trainable rollout left"))
+    parts.sort(key=lambda p: -p[0])
+    why = ". ".join(text[:1].upper() + text[1:] for _, text in parts) or "Nothing was dropped"
+    cls: type[RLError] = RLError
+    if n_failed and parts[0][0] == n_failed:
+        cls = error_class(failed)
+    elif drops:
+        cls = SamplingExhaustedError
+    return cls(
+        f"rollout.max_rounds: {_plural(rounds, 'generation round')} kept only {kept} of "
+        f"{wanted} groups. {why}."
+    )

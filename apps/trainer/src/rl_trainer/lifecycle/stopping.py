@@ -24,6 +24,8 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+from rl_buffer.bounded import add_stop_check, remove_stop_check
+
 __all__ = ["StopSignals", "stop_requested"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -34,8 +36,9 @@ _ACTIVE: list[StopSignals] = []
 
 def stop_requested() -> bool:
     """Whether a stop signal reached an active :class:`StopSignals` (the run is stopping):
-    code that waits on user functions (the reward :class:`~rl_trainer.rollout.Scorer`) polls
-    it to give up on calls that would hold the stop back."""
+    code that waits on user functions (the reward :class:`~rl_buffer.scoring.Scorer`) polls
+    it, through :func:`rl_buffer.bounded.stop_requested` (each active :class:`StopSignals`
+    registers there), to give up on calls that would hold the stop back."""
     return any(s.signum is not None for s in _ACTIVE)
 
 
@@ -57,6 +60,7 @@ class StopSignals:
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         _ACTIVE.append(self)
+        add_stop_check(self._stopping)
         return self
 
     def __exit__(
@@ -70,6 +74,11 @@ class StopSignals:
         self._previous = {}
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        remove_stop_check(self._stopping)
+
+    def _stopping(self) -> bool:
+        """Whether a stop signal came (the check registered with rl-buffer's bounded calls)."""
+        return self.signum is not None
 
     @property
     def name(self) -> str | None:

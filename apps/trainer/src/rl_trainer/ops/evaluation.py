@@ -18,13 +18,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rl_buffer.scoring import Scorer
 from rl_core import registry
 from rl_core.evaluation import summarize_eval
 from rl_core.interfaces import DataSource, RewardFn, Tokenizer
 from rl_core.types import Group, Prompt, SamplingParams
 from rl_trainer.build import build_callable, component_name
 from rl_trainer.config import EvalConfig, SamplingConfig
-from rl_trainer.rollout import Scorer
 
 __all__ = ["EvalSet", "build_eval_sets"]
 

@@ -43,7 +43,7 @@ PANELS = [
     ("Step time (s)", [key for key, _ in STEP_TIME]),
     ("Staleness (versions)", ["rollout/staleness_mean", "rollout/staleness_max"]),
     ("Log-prob mismatch", ["train/mismatch", "train/tis_clipfrac"]),
-    (  # agent runs only (rl_trainer.rollout.agent_metrics); drawn when a record has them
+    (  # agent runs only (rl_buffer.rollout.agent_metrics); drawn when a record has them
         "Agent sessions (per session; problems: round totals)",
         [
             "rollout/agent/turns_mean",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rl_trainer.rollout import RolloutStats
+from rl_buffer.failures import RolloutStats
 from rl_trainer.step.stages import generate
 
 if TYPE_CHECKING:

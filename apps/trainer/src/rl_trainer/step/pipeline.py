@@ -44,7 +44,7 @@ still starts on (at least) the version it needs, but when the trainer releases a
 while the round is generating, the round's in-flight requests are aborted, their partial tokens
 wait in the buffer with their versions, the generator loads the newest released version
 (:meth:`RolloutPipeline.catch_up`) and the rollouts resume on it
-(:func:`rl_trainer.rollout.generate_groups_resumable` waits on
+(:func:`rl_buffer.rollout.generate_groups_resumable` waits on
 :meth:`RolloutPipeline.newer_than`). A rollout's tokens then span versions, none older than the
 round's needed version, so the ``max_staleness`` bound holds; where the abort lands depends on
 timing, so such runs are not bit-reproducible. A custom ``rollout.generate_fn`` gets a

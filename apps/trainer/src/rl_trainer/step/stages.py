@@ -29,6 +29,15 @@ import numpy as np
 import torch
 
 from rl_agents.resumable import ResumableGenerator
+from rl_buffer.failures import RolloutStats
+from rl_buffer.filters import filter_groups
+from rl_buffer.rollout import (
+    PartialStats,
+    agent_metrics,
+    generate_groups,
+    generate_groups_resumable,
+)
+from rl_buffer.sampler import exhausted_error
 from rl_core.algorithms.losses import PolicyLoss
 from rl_core.algorithms.skipping import (
     metrics_over_trained,
@@ -41,15 +50,6 @@ from rl_core.errors import RLError
 from rl_core.rewards.shaping import OverlongPenalty
 from rl_core.types import AdvantageInputs, Group, Prompt, Rollout, SamplingParams, TrainBatch
 from rl_trainer.build import component_name
-from rl_trainer.failures import exhausted_error
-from rl_trainer.rollout import (
-    PartialStats,
-    RolloutStats,
-    agent_metrics,
-    filter_groups,
-    generate_groups,
-    generate_groups_resumable,
-)
 from rl_trainer.step import lora, ppo_updates, routing, teacher
 from rl_trainer.step.packing import loss_weights, plan_and_pack
 from rl_trainer.step.pipeline import Weights

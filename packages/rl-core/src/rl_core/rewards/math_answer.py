@@ -41,7 +41,7 @@ class MathEquiv:
     main_thread: ClassVar[bool] = True
     """Call it on the main thread: math-verify's ``timeout_seconds`` is a ``SIGALRM`` alarm,
     which works only there (the trainer runs other synchronous rewards in a worker thread it
-    can abandon, :mod:`rl_trainer.bounded`)."""
+    can abandon, :mod:`rl_buffer.bounded`)."""
 
     @dataclass(frozen=True, slots=True, kw_only=True)
     class Config:

@@ -1,7 +1,8 @@
 """What user code did wrong, said once and clearly: the component, how many rollouts of how
 many failed, and the first exception at the user's own file and line.
 
-Rewards, group rewards, rollout functions and filters run user code on every rollout. A failure
+Rewards (:mod:`rl_buffer.scoring`), group rewards, rollout functions (:mod:`rl_buffer.rollout`)
+and filters (:class:`rl_buffer.filters.GuardedFilter`) run user code on every rollout. A failure
 there never crashes a step with a raw traceback: the rollout (or group) is marked failed, counted
 under ``rollout/failed/<reason>``, and the first cause of each reason is kept as a
 :class:`Failure`. When every rollout of a round fails, :func:`check_round` stops the run with a
@@ -15,27 +16,33 @@ report such as::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import sysconfig
 import traceback
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from rl_buffer.sampler import SamplingExhaustedError
+from rl_buffer.bounded import CallAbandoned
 from rl_core.errors import GenerationError, RewardError, RLError
 
 __all__ = [
     "Failure",
     "FailureLog",
     "FailureReasons",
+    "InvalidResult",
+    "RolloutStats",
     "check_round",
+    "defined_at",
     "describe_failures",
     "error_class",
-    "exhausted_error",
     "fix_hint",
+    "short_repr",
+    "user_failure",
     "user_frame",
 ]
 
@@ -240,67 +247,71 @@ class FailureLog:
         )
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+class InvalidResult(RewardError):
+    """User code returned a value of the wrong kind (the message says what and what is expected)."""
 
 
-def exhausted_error(
-    *,
-    rounds: int,
-    kept: int,
-    wanted: int,
-    n_samples: int,
-    step_counts: Mapping[str, int],
-    rollouts: int,
-    failed: Mapping[str, int],
-    first: Mapping[str, Failure],
-    unusable: int,
-) -> RLError:
-    """The error when ``rollout.max_rounds`` rounds kept only ``kept`` of ``wanted`` groups.
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (for messages about returned values)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
-    It names what lost the groups, the larger cause first: the filters, with their drop reasons
-    (``step_counts``: the sampler's counts of the step), and failing code, with the first cause
-    of each reason (``failed``/``first`` of ``rollouts``). ``unusable`` groups had no trainable
-    rollout left. A :class:`RewardError` when a failing reward lost most, a
-    :class:`~rl_buffer.sampler.SamplingExhaustedError` when the filters did.
-    """
-    drops = {
-        k.removeprefix("drop_"): n
-        for k, n in step_counts.items()
-        if k.startswith("drop_") and k != f"drop_{FailureReasons.FILTER_ERROR}"
-    }
-    n_failed = sum(failed.values())
-    parts: list[tuple[int, str]] = []  # (rollouts lost, explanation)
-    if drops:
-        n = sum(drops.values())
-        listed = ", ".join(f"{k}: {v}" for k, v in sorted(drops.items()))
-        parts.append(
-            (
-                n * n_samples,
-                f"the filters dropped {n} of the {step_counts.get('seen', 0)} groups they saw "
-                f"({listed}); relax them, or raise rollout.max_rounds or "
-                "rollout.over_sampling_factor",
-            )
+
+def user_failure(reason: str, component: str, e: Exception, sample: str, fn: Any) -> Failure:
+    """The cause of a failure of user code ``fn``: at the user's frame when it raised; where
+    ``fn`` is defined when it returned a wrong value or hung (the traceback is then ours)."""
+    if isinstance(e, InvalidResult | CallAbandoned):
+        return Failure(
+            reason=reason,
+            component=component,
+            error=str(e),
+            sample=sample,
+            defined_at=defined_at(fn),
         )
-    if n_failed:
-        hint = fix_hint(failed).rstrip(".")
-        parts.append(
-            (
-                n_failed,
-                f"{n_failed} of {rollouts} rollouts failed ({describe_failures(failed, first)}); "
-                f"{hint[:1].lower()}{hint[1:]}",
-            )
-        )
-    if not parts and unusable:
-        parts.append((unusable, f"{_plural(unusable, 'group')} had no trainable rollout left"))
-    parts.sort(key=lambda p: -p[0])
-    why = ". ".join(text[:1].upper() + text[1:] for _, text in parts) or "Nothing was dropped"
-    cls: type[RLError] = RLError
-    if n_failed and parts[0][0] == n_failed:
-        cls = error_class(failed)
-    elif drops:
-        cls = SamplingExhaustedError
-    return cls(
-        f"rollout.max_rounds: {_plural(rounds, 'generation round')} kept only {kept} of "
-        f"{wanted} groups. {why}."
-    )
+    return Failure.from_exception(reason, component, e, sample=sample)
+
+
+def defined_at(fn: Any) -> str:
+    """``<name> is defined at file:line`` for ``fn`` (or its class, for a callable object), or
+    ``""`` when unknown: where to look when it returned a wrong value."""
+    target = fn if inspect.isroutine(fn) else type(fn)
+    try:
+        target = inspect.unwrap(target)
+        file = inspect.getsourcefile(target)
+        _, line = inspect.getsourcelines(target)
+    except (TypeError, OSError):
+        return ""
+    return f"{getattr(target, '__qualname__', target)} is defined at {file}:{line}"
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    """Counts of what happened to rollouts and groups in one step."""
+
+    failed: Counter = field(default_factory=Counter)
+    """Failure reason -> rollouts marked failed."""
+    dropped: Counter = field(default_factory=Counter)
+    """Drop reason -> groups dropped."""
+    rollouts: int = 0
+    """Rollouts asked for (a failed ``generate_fn`` call counts its ``n_samples``)."""
+    first: dict[str, Failure] = field(default_factory=dict)
+    """Failure reason -> its first cause (component, exception, user file:line, sample)."""
+
+    def record(self, reason: str, n: int, failure: Failure | None = None) -> None:
+        """Count ``n`` rollouts failed for ``reason``; keep ``failure`` if it is the first."""
+        self.failed[reason] += n
+        if failure is not None:
+            self.first.setdefault(reason, failure)
+
+    def merge(self, other: RolloutStats) -> None:
+        """Add ``other``'s counts; keep the earlier first causes."""
+        self.failed.update(other.failed)
+        self.dropped.update(other.dropped)
+        self.rollouts += other.rollouts
+        for reason, failure in other.first.items():
+            self.first.setdefault(reason, failure)
+
+    def check(self, where: str) -> None:
+        """Raise the failure report when every rollout counted here failed
+        (:func:`check_round`)."""
+        check_round(where, self.rollouts, self.failed, self.first)

@@ -13,9 +13,10 @@ the call instead of waiting for it:
   whose own timeout is ``SIGALRM``, which only the main thread gets) is called inline, bounded
   by that timeout alone.
 
-A call is also abandoned once it has run :data:`STOP_GRACE_S` after a stop signal
-(:func:`rl_trainer.lifecycle.stopping.stop_requested`), so SIGTERM stops a run whose reward hangs (calls
-still queued behind it run, each with the same grace). Limitation: an ``async`` function that blocks the
+A call is also abandoned once it has run :data:`STOP_GRACE_S` after a stop was requested
+(:func:`stop_requested`: a check registered with :func:`add_stop_check`, e.g. the trainer's
+SIGTERM/SIGINT handler, :class:`rl_trainer.lifecycle.stopping.StopSignals`), so SIGTERM stops a
+run whose reward hangs (calls still queued behind it run, each with the same grace). Limitation: an ``async`` function that blocks the
 event loop itself (``time.sleep`` inside ``async def``) cannot be interrupted by any of this.
 """
 
@@ -31,15 +32,43 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_trainer.lifecycle import stopping
-
-__all__ = ["STOP_GRACE_S", "BoundedCaller", "CallAbandoned", "is_async"]
+__all__ = [
+    "STOP_GRACE_S",
+    "BoundedCaller",
+    "CallAbandoned",
+    "add_stop_check",
+    "is_async",
+    "remove_stop_check",
+    "stop_requested",
+]
 
 STOP_GRACE_S = 2.0
 """After a stop signal, how long a running call may still take before it is abandoned."""
 
 _POLL_S = 0.05
 _STOP_POLL_S = 0.25
+
+
+_STOP_CHECKS: list[Callable[[], bool]] = []
+
+
+def add_stop_check(check: Callable[[], bool]) -> None:
+    """Register ``check`` (true once the process is stopping: a stop signal came) for
+    :func:`stop_requested`; :func:`remove_stop_check` takes it back."""
+    _STOP_CHECKS.append(check)
+
+
+def remove_stop_check(check: Callable[[], bool]) -> None:
+    """Unregister a check added with :func:`add_stop_check` (no error when it is absent)."""
+    if check in _STOP_CHECKS:
+        _STOP_CHECKS.remove(check)
+
+
+def stop_requested() -> bool:
+    """Whether a registered stop check says the process is stopping: code that waits on user
+    functions (:class:`BoundedCaller`, :func:`rl_buffer.rollout.until_stopped`) polls it to give
+    up on calls that would hold the stop back."""
+    return any(check() for check in _STOP_CHECKS)
 
 
 class CallAbandoned(Exception):
@@ -231,7 +260,7 @@ class BoundedCaller:
                 why = f"did not return within {self.timeout_s:g} s (rollout.reward_timeout_s)"
             elif deadline is not None and now > deadline:
                 why = "was still running at the round's deadline (rollout.reward_round_timeout_s)"
-            elif stopping.stop_requested() and t0 is not None:
+            elif stop_requested() and t0 is not None:
                 stop_seen = now if stop_seen is None else stop_seen
                 if now - max(stop_seen, t0) > STOP_GRACE_S:
                     why = "was still running when the run stopped (a stop signal)"
