@@ -28,7 +28,10 @@ Systems (each in its own process, one after the other, so they never compete for
 
 Reported per system: samples/s and response tokens/s over the RL phase with evaluation time
 excluded, wall time (eval excluded) until the held-out reward first reaches ``--target``, the eval
-curve, process CPU seconds and peak RSS (``wait4`` of the process).
+curve, process CPU seconds and peak RSS (``wait4`` of the process), and the end-to-end wall time
+(``end_to_end_s``, median over seeds): from the command that starts the system's process to its
+exit after the last step, so start-up, model load, compile, every step, the evals and the final
+save all count (``end_to_end_speedup_vs_trl``: TRL's best over ours).
 
 Usage::
 
@@ -188,6 +191,8 @@ def summarize(runs: list[dict[str, Any]], target: float, *, one_process: bool) -
         },
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs) if one_process else None,
         "process_cpu_s_mean": sum(r["cpu_s"] for r in runs) / len(runs) if one_process else None,
+        # From the command to the process's exit after the last step (run_worker's wall time).
+        "end_to_end_s": sorted(r["process_total_s"] for r in runs)[len(runs) // 2],
     }
 
 
@@ -254,7 +259,7 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         f"{'system':<22}{'samples/s':>10}{'tok/s':>7}{'s/step':>7}{'x TRL':>7}{'smp/CPUs':>9}"
         f"{'x TRL':>7}{tgt + ' s':>10}{'@step':>6}{'hit':>5}{'final R':>8}{'mean R':>7}"
         f"{'trainR':>7}"
-        f"{'RSS MB':>7}"
+        f"{'RSS MB':>7}{'e2e s':>7}{'x TRL':>7}"
     )
     for name, res in results.items():
         s = res["summary"]
@@ -272,7 +277,8 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
             f"{ttt:>10}{stt:>6}{s['seeds_reaching_target']:>3}/{s['seeds']}"
             f"{s['final_reward']:>8.3f}{s['mean_eval_reward_after_0']:>7.3f}"
             f"{s['train_reward_last20']:>7.3f}"
-            f"{rss_s}"
+            f"{rss_s}{s['end_to_end_s']:>7.1f}"
+            + (f"{x:>6.2f}x" if (x := s.get("end_to_end_speedup_vs_trl")) else f"{'n/a':>7}")
         )
     print("mean held-out eval reward per step (over seeds):")
     steps_seen = sorted({c["step"] for r in results.values() for c in r["summary"]["mean_curve"]})
@@ -296,7 +302,9 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         "process-CPU second (all threads; less "
         "sensitive to other jobs); t->target\nand @step: median over seeds of the first eval at "
         "or above the target; RSS: peak of the process (n/a on Ray:\nits actors are other "
-        "processes).\nasync runs generation and training in "
+        "processes); e2e s: median over seeds of the wall time from the command to the\n"
+        "process's exit after the last step (start-up, compile, evals and final save included), "
+        "x TRL: TRL's over ours.\nasync runs generation and training in "
         "two threads (up to 2 cores); thr: torch threads.\nStill different: TRL samples with "
         "transformers generate (its own RNG), pads instead of packing,\nuses std eps 1e-4 in "
         "the advantage (ours 1e-6) and fused AdamW; async trains on rollouts one version stale."
@@ -316,6 +324,10 @@ def add_speedups(results: dict[str, dict[str, Any]]) -> None:
             "samples_per_s": s["samples_per_s"] / trl["samples_per_s"] if trl else None,
             "samples_per_cpu_s": spc / tspc if spc and tspc else None,
         }
+        # End to end: TRL's (best thread count) command-to-exit time over this system's.
+        s["end_to_end_speedup_vs_trl"] = (
+            trl["end_to_end_s"] / s["end_to_end_s"] if trl and s.get("end_to_end_s") else None
+        )
 
 
 def check_bars(setting: str | None, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
