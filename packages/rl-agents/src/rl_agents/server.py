@@ -47,12 +47,21 @@ engine returns (the engine stops on token ids only): the tokens are cut after th
 that completes a stop string (those are the tokens recorded and trained), and the text returned
 ends before the stop string.
 
-Disconnects. A client that disconnects while its completion is generated aborts it (the engine's
-``abort`` when it has one; otherwise the result is dropped) and the turn is not recorded.
+Disconnects. A client that disconnects while its completion is generated (streamed or not)
+aborts it (the engine's ``abort`` when it has one; otherwise the result is dropped) and the turn
+is not recorded.
 
-Streaming is emulated: the generator interface returns whole results
-(:meth:`~rl_core.interfaces.Generator.generate` has no token stream), so a streamed response is
-sent once the completion is generated, as the events of each API.
+Streaming. A request with ``stream: true`` is generated through
+:meth:`~rl_core.interfaces.Generator.generate_stream`: with a generator that streams
+(``streams_tokens``: HFGenerator; not SGLangGenerator yet, nor a wrapper such as
+ResumableGenerator, whose default stream yields the whole result once) content deltas are sent
+as the tokens are sampled. Only text that is surely content goes out early: the last token is
+held back (it may be the stop token), so is the text from the family's first tool-call or
+reasoning trigger or a stop string on, a tail that could begin one of them or a special token,
+and an incomplete UTF-8 character; a completion whose prompt leaves reasoning open is sent once
+generated. The rest (reasoning, remaining content, tool calls) follows when the completion
+ends, in each API's events. The recorded tokens are those of the non-streamed completion for
+the same seed.
 
 Prompt length. A request's prompt is refused with HTTP 400 ``context_length_exceeded`` naming
 the limit when it holds as many tokens as the context allows: ``Config.max_context_tokens`` or
@@ -77,7 +86,7 @@ import contextlib
 import dataclasses
 import functools
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -101,7 +110,7 @@ from rl_core.types import (
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["AgentServer"]
+__all__ = ["AgentServer", "TextSink"]
 
 
 class AgentServer:
@@ -401,10 +410,17 @@ class AgentServer:
         return sp
 
     async def complete(
-        self, s: Session, req: ChatRequest, request: web.Request | None = None
+        self,
+        s: Session,
+        req: ChatRequest,
+        request: web.Request | None = None,
+        on_text: TextSink | None = None,
     ) -> Completion:
         """Render ``req`` with the chat template, generate, record the turn in session ``s``
-        and return it. A disconnect of ``request``'s client aborts the generation. Raises
+        and return it. A disconnect of ``request``'s client aborts the generation. With
+        ``on_text``, content is handed to it as it is generated (see the module docstring:
+        only text that is surely content, never a stop string or a tool call's start);
+        :attr:`Completion.streamed` is what it was given. Raises
         :class:`~rl_agents.api.common.HTTPError` for a bad request."""
         if s.max_turns is not None and len(s.turns) >= s.max_turns:
             raise HTTPError(
@@ -456,8 +472,18 @@ class AgentServer:
             return_routing=s.return_routing,
             adapter=req.adapter,
         )
+        live = None
+        if on_text is not None and not self._reasoning_open(text):
+            live = _LiveText(
+                self.tokenizer,
+                on_text,
+                prompt_tokens=len(ids),
+                ends=(*self.chat.format.triggers, *req.stop),
+                clean=self.chat._strip_specials,
+                holds=(*self.chat.format.triggers, *req.stop, *self.chat._specials),
+            )
         try:
-            result = await self._generate(gen_request, request)
+            result = await self._generate(gen_request, request, live)
         except (DataError, ValueError) as e:  # the request itself is bad (e.g. too long)
             raise HTTPError(400, f"generation failed: {e}", "generation_failed") from None
         except (GenerationError, RLError) as e:  # the engine failed: retryable for the client
@@ -500,17 +526,26 @@ class AgentServer:
             prompt_tokens=len(ids),
             finish=finish,
             stop_sequence=stop_at,
+            streamed=live.sent if live is not None else "",
         )
 
+    def _reasoning_open(self, prompt_text: str) -> bool:
+        """The prompt leaves a reasoning block open (the completion starts as reasoning)."""
+        tail = prompt_text[-64:]
+        return self.chat.format.reasoning and tail.rfind("<think>") > tail.rfind("</think>")
+
     async def _generate(
-        self, gen_request: GenerationRequest, request: web.Request | None
+        self,
+        gen_request: GenerationRequest,
+        request: web.Request | None,
+        live: _LiveText | None = None,
     ) -> GenerationResult:
-        """Generate one request; when ``request``'s client disconnects first, abort it (the
-        generator's ``abort`` if it has one, else drop the result) and raise HTTP 499."""
-        task = asyncio.ensure_future(self.generator.generate([gen_request]))
+        """Generate one request (streamed to ``live`` when given); when ``request``'s client
+        disconnects first, abort it (the generator's ``abort`` if it has one, else drop the
+        result) and raise HTTP 499."""
+        task = asyncio.ensure_future(self._run(gen_request, live))
         if request is None:
-            (result,) = await task
-            return result
+            return await task
         while not task.done():
             await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if not task.done() and _disconnected(request):
@@ -521,8 +556,25 @@ class AgentServer:
                 raise HTTPError(
                     499, "the client disconnected; generation aborted", "client_disconnected"
                 )
-        (result,) = task.result()
-        return result
+        return task.result()
+
+    async def _run(
+        self, gen_request: GenerationRequest, live: _LiveText | None
+    ) -> GenerationResult:
+        """The generator's result for ``gen_request``; with ``live``, through its
+        :meth:`~rl_core.interfaces.Generator.generate_stream`, each chunk fed to ``live``."""
+        if live is None:
+            (result,) = await self.generator.generate([gen_request])
+            return result
+        final = None
+        async for chunk in self.generator.generate_stream(gen_request):
+            await live.feed(chunk.output_ids)
+            final = chunk.result
+        if final is None:
+            raise GenerationError(
+                f"{type(self.generator).__name__}.generate_stream ended without a result"
+            )
+        return final
 
     def _apply_stop(
         self, result: GenerationResult, stops: Sequence[str], prompt_len: int
@@ -571,6 +623,64 @@ class AgentServer:
                 left -= k
             cut = dataclasses.replace(cut, pieces=tuple(pieces))
         return cut, hit(lo)
+
+
+TextSink = Callable[[str, int], Awaitable[None]]
+"""Where :meth:`AgentServer.complete` streams content: ``(text delta, prompt tokens)``."""
+
+
+class _LiveText:
+    """The content of a completion being generated, handed on as it grows. Only text that is
+    surely content is given: the last token is held (it may be the stop token, which is not
+    content), and so is text from the first tool-call / reasoning trigger or stop string on
+    (the rest of the content is known only once the completion is parsed), a tail that could
+    begin a trigger, a stop string or a special token, and a tail that is an incomplete UTF-8
+    character."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        sink: TextSink,
+        *,
+        prompt_tokens: int,
+        ends: Sequence[str],
+        clean: Callable[[str], str],
+        holds: Sequence[str],
+    ) -> None:
+        self.tokenizer, self.sink, self.prompt_tokens = tokenizer, sink, prompt_tokens
+        self.ends, self.clean = tuple(e for e in ends if e), clean
+        self.holds = tuple(h for h in holds if h)
+        self.ids: list[int] = []
+        self.sent = ""
+        """Text handed to the sink so far."""
+        self.stopped = False
+
+    async def feed(self, ids: Sequence[int]) -> None:
+        """Take newly sampled ``ids`` and hand on the content they make surely known."""
+        self.ids.extend(ids)
+        if self.stopped or len(self.ids) < 2 or not ids:
+            return
+        text = self.tokenizer.decode(self.ids[:-1], skip_special_tokens=False)
+        cut = len(text)
+        for e in self.ends:
+            i = text.find(e)
+            if i >= 0:
+                cut, self.stopped = min(cut, i), True
+        for h in self.holds:
+            for k in range(min(len(h) - 1, len(text)), 0, -1):
+                if text.endswith(h[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        while cut > 0 and text[cut - 1] == "\ufffd":
+            cut -= 1
+        shown = self.clean(text[:cut])
+        if not shown.strip() or not shown.startswith(self.sent) or len(shown) == len(self.sent):
+            return
+        delta, self.sent = shown[len(self.sent) :], shown
+        try:
+            await self.sink(delta, self.prompt_tokens)
+        except Exception:  # the client went away: stop sending, the generation is aborted
+            self.stopped = True
 
 
 _DISCONNECT_POLL_S = 0.05

@@ -20,15 +20,18 @@ block before the text (``signature`` empty: nothing to verify), and ``thinking``
 ``redacted_thinking`` blocks an agent sends back are skipped (the server renders the turn back
 from what the model wrote, reasoning included).
 
-Streaming is emulated like the chat surface: the completion is generated in full, then sent as
-``message_start``, one ``content_block_start`` / ``_delta`` (``thinking_delta``, ``text_delta``
-or ``input_json_delta``) / ``_stop`` per block, ``message_delta`` (stop reason, output tokens)
-and ``message_stop``. A tool call whose arguments are not a JSON object is returned with its value
+Streaming sends ``message_start``, one ``content_block_start`` / ``_delta`` (``thinking_delta``,
+``text_delta`` or ``input_json_delta``) / ``_stop`` per block, ``message_delta`` (stop reason,
+output tokens) and ``message_stop``. With a generator that streams, text is sent as it is
+generated (a text block at index 0, begun before the completion ends; see
+:class:`~rl_agents.server.AgentServer` for which text is sent early), the other blocks follow
+once it ends; an error met after the stream began is an ``error`` event. A tool call whose arguments are not a JSON object is returned with its value
 under ``input["value"]`` (Anthropic's ``input`` is always an object).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -44,6 +47,7 @@ from rl_agents.api.common import (
     read_json,
     sse,
     stop_strings,
+    stream_error,
     text_of,
 )
 
@@ -226,64 +230,134 @@ def to_message(done: Completion, model: str, msg_id: str) -> dict[str, Any]:
 
 async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one message (see the module docstring)."""
+    out: _Stream | None = None
     try:
         body = await read_json(request)
         adapter = server.check_model(body.get("model"))
         req = parse(body, adapter)
         session = server.session_of(request, req.user)
-        done = await server.complete(session, req, request)
+        if body.get("stream"):
+            out = _Stream(request, str(body.get("model") or server.served_model))
+            done = await server.complete(session, req, request, on_text=out.content)
+        else:
+            done = await server.complete(session, req, request)
     except HTTPError as e:
-        return error_response(e)
+        if out is None or out.resp is None:
+            return error_response(e)
+        return await out.fail(e)
+    if out is not None:
+        return await out.finish(done)
     from aiohttp import web
 
-    message = to_message(
-        done, str(body.get("model") or server.served_model), f"msg_{uuid.uuid4().hex}"
-    )
-    if not body.get("stream"):
-        return web.json_response(message)
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await resp.prepare(request)
+    model = str(body.get("model") or server.served_model)
+    return web.json_response(to_message(done, model, f"msg_{uuid.uuid4().hex}"))
 
-    async def send(event: str, data: dict[str, Any]) -> None:
-        await resp.write(sse({"type": event, **data}, event))
 
-    start = {**message, "content": [], "stop_reason": None}
-    start["usage"] = {"input_tokens": done.prompt_tokens, "output_tokens": 0}
-    await send("message_start", {"message": start})
-    for i, block in enumerate(message["content"]):
+class _Stream:
+    """A streamed message: the events are sent as the completion is generated (a text block
+    first when content streams before the completion ends)."""
+
+    def __init__(self, request: web.Request, model: str) -> None:
+        self.request, self.model = request, model
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.resp: web.StreamResponse | None = None
+        self.text_open = False
+        """A text block (index 0) was begun while generating."""
+
+    async def _send(self, event: str, data: dict[str, Any]) -> None:
+        assert self.resp is not None
+        await self.resp.write(sse({"type": event, **data}, event))
+
+    async def _start(self, prompt_tokens: int) -> web.StreamResponse:
+        from aiohttp import web
+
+        if self.resp is None:
+            self.resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self.resp.prepare(self.request)
+            start = {
+                "id": self.msg_id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+            }
+            await self._send("message_start", {"message": start})
+        return self.resp
+
+    async def content(self, delta: str, prompt_tokens: int) -> None:
+        """Send text generated so far (the server's ``on_text``)."""
+        await self._start(prompt_tokens)
+        if not self.text_open:
+            self.text_open = True
+            block = {"type": "text", "text": ""}
+            await self._send("content_block_start", {"index": 0, "content_block": block})
+        delta_ = {"type": "text_delta", "text": delta}
+        await self._send("content_block_delta", {"index": 0, "delta": delta_})
+
+    async def fail(self, e: HTTPError) -> web.StreamResponse:
+        """End a begun stream with an ``error`` event."""
+        resp = await self._start(0)
+        with contextlib.suppress(ConnectionError):
+            await resp.write(stream_error(e))
+            await resp.write_eof()
+        return resp
+
+    async def finish(self, done: Completion) -> web.StreamResponse:
+        """Send the rest of the message: the streamed text block's rest, then each other
+        block, ``message_delta`` and ``message_stop``."""
+        resp = await self._start(done.prompt_tokens)
+        message = to_message(done, self.model, self.msg_id)
+        blocks = message["content"]
+        i = 0
+        if self.text_open:
+            rest = done.content_rest()
+            if rest:
+                delta = {"type": "text_delta", "text": rest}
+                await self._send("content_block_delta", {"index": 0, "delta": delta})
+            await self._send("content_block_stop", {"index": 0})
+            blocks = [b for b in blocks if b["type"] != "text"]
+            i = 1
+        for block in blocks:
+            await self._block(i, block)
+            i += 1
+        await self._send(
+            "message_delta",
+            {
+                "delta": {
+                    "stop_reason": message["stop_reason"],
+                    "stop_sequence": message["stop_sequence"],
+                },
+                "usage": {"output_tokens": done.completion_tokens},
+            },
+        )
+        await self._send("message_stop", {})
+        await resp.write_eof()
+        return resp
+
+    async def _block(self, i: int, block: dict[str, Any]) -> None:
+        """One whole content block at index ``i``: start, deltas, stop."""
         if block["type"] == "thinking":
             head = {"type": "thinking", "thinking": "", "signature": ""}
-            await send("content_block_start", {"index": i, "content_block": head})
+            await self._send("content_block_start", {"index": i, "content_block": head})
             text = block["thinking"]
             for j in range(0, len(text), _PIECE):
                 delta = {"type": "thinking_delta", "thinking": text[j : j + _PIECE]}
-                await send("content_block_delta", {"index": i, "delta": delta})
+                await self._send("content_block_delta", {"index": i, "delta": delta})
         elif block["type"] == "text":
-            await send(
-                "content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}
-            )
+            head = {"type": "text", "text": ""}
+            await self._send("content_block_start", {"index": i, "content_block": head})
             text = block["text"]
             for j in range(0, len(text), _PIECE):
                 delta = {"type": "text_delta", "text": text[j : j + _PIECE]}
-                await send("content_block_delta", {"index": i, "delta": delta})
+                await self._send("content_block_delta", {"index": i, "delta": delta})
         else:
             head = {**block, "input": {}}
-            await send("content_block_start", {"index": i, "content_block": head})
+            await self._send("content_block_start", {"index": i, "content_block": head})
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            await send("content_block_delta", {"index": i, "delta": delta})
-        await send("content_block_stop", {"index": i})
-    await send(
-        "message_delta",
-        {
-            "delta": {
-                "stop_reason": message["stop_reason"],
-                "stop_sequence": message["stop_sequence"],
-            },
-            "usage": {"output_tokens": done.completion_tokens},
-        },
-    )
-    await send("message_stop", {})
-    await resp.write_eof()
-    return resp
+            await self._send("content_block_delta", {"index": i, "delta": delta})
+        await self._send("content_block_stop", {"index": i})

@@ -11,14 +11,17 @@ does not honour are refused with HTTP 400 naming the field, never ignored: ``n``
 non-zero ``presence_penalty`` / ``frequency_penalty``, ``top_logprobs`` > 0, ``functions`` /
 ``function_call``.
 
-Streaming is emulated (the generator returns whole completions): the completion is generated
-in full, then sent as server-sent events (role, reasoning and content pieces, tool-call deltas,
-finish reason, an optional usage chunk, ``[DONE]``); the bytes a client assembles are those of
-the non-streaming response.
+Streaming (``stream: true``) sends server-sent events: the role, then content deltas as the
+generator samples them (a generator that streams, :attr:`~rl_core.interfaces.Generator.
+streams_tokens`; see :class:`~rl_agents.server.AgentServer` for which text is sent early), then
+the reasoning, the content not sent yet, tool-call deltas, the finish reason, an optional usage
+chunk and ``[DONE]``; what a client assembles equals the non-streamed response. An error met
+after the stream began is sent as an ``error`` event (the clients raise it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,6 +38,7 @@ from rl_agents.api.common import (
     refuse,
     sse,
     stop_strings,
+    stream_error,
 )
 
 if TYPE_CHECKING:
@@ -113,13 +117,23 @@ def parse(body: Mapping[str, Any], adapter: str | None = None) -> ChatRequest:
 
 async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one chat completion (see the module docstring)."""
+    out: _Stream | None = None
     try:
         body = await read_json(request)
         adapter = server.check_model(body.get("model"))
         session = server.session_of(request, body.get("user"))
-        done = await server.complete(session, parse(body, adapter), request)
+        req = parse(body, adapter)
+        if body.get("stream"):
+            out = _Stream(server, request, body)
+            done = await server.complete(session, req, request, on_text=out.content)
+        else:
+            done = await server.complete(session, req, request)
     except HTTPError as e:
-        return error_response(e)
+        if out is None or out.resp is None:
+            return error_response(e)
+        return await out.fail(e)
+    if out is not None:
+        return await out.finish(done)
     return await _respond(server, request, body, done)
 
 
@@ -136,64 +150,105 @@ def logprobs_of(server: Backend, done: Completion) -> dict[str, Any]:
 async def _respond(
     server: Backend, request: web.Request, body: Mapping[str, Any], done: Completion
 ) -> web.StreamResponse:
+    """The non-streamed response."""
     from aiohttp import web
 
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = str(body.get("model") or server.served_model)
     usage = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
     parsed = done.parsed
-    want_lp = bool(body.get("logprobs"))
-    if not body.get("stream"):
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.reasoning is not None:
-            message["reasoning_content"] = parsed.reasoning
-        if parsed.tool_calls:
-            message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "finish_reason": done.finish,
-            "logprobs": logprobs_of(server, done) if want_lp else None,
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": done.finish,
+        "logprobs": logprobs_of(server, done) if body.get("logprobs") else None,
+    }
+    return web.json_response(
+        {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": str(body.get("model") or server.served_model),
+            "choices": [choice],
+            "usage": usage,
         }
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": usage,
-            }
-        )
-
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
-    await resp.prepare(request)
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    async def send(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any):
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, **extra}
-        await resp.write(sse({**head, "choices": [choice]}))
 
-    await send({"role": "assistant", "content": ""})
-    reasoning = parsed.reasoning or ""
-    for i in range(0, len(reasoning), STREAM_PIECE_CHARS):
-        await send({"reasoning_content": reasoning[i : i + STREAM_PIECE_CHARS]})
-    content = parsed.content or ""
-    for i in range(0, len(content), STREAM_PIECE_CHARS):
-        await send({"content": content[i : i + STREAM_PIECE_CHARS]})
-    for i, c in enumerate(parsed.tool_calls):
-        await send({"tool_calls": [c.to_openai(index=i)]})
-    await send({}, done.finish, **({"logprobs": logprobs_of(server, done)} if want_lp else {}))
-    opts = body.get("stream_options") or {}
-    if isinstance(opts, Mapping) and opts.get("include_usage"):
-        await resp.write(sse({**head, "choices": [], "usage": usage}))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+class _Stream:
+    """A streamed chat completion: the events are sent as the completion is generated."""
+
+    def __init__(self, server: Backend, request: web.Request, body: Mapping[str, Any]) -> None:
+        self.server, self.request, self.body = server, request, body
+        self.resp: web.StreamResponse | None = None
+        model = str(body.get("model") or server.served_model)
+        self.head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    async def _start(self) -> web.StreamResponse:
+        from aiohttp import web
+
+        if self.resp is None:
+            self.resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self.resp.prepare(self.request)
+            await self._send({"role": "assistant", "content": ""})
+        return self.resp
+
+    async def _send(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+        assert self.resp is not None
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, **extra}
+        await self.resp.write(sse({**self.head, "choices": [choice]}))
+
+    async def content(self, delta: str, prompt_tokens: int) -> None:
+        """Send content generated so far (the server's ``on_text``)."""
+        await self._start()
+        await self._send({"content": delta})
+
+    async def fail(self, e: HTTPError) -> web.StreamResponse:
+        """End a begun stream with an error event."""
+        resp = await self._start()
+        with contextlib.suppress(ConnectionError):
+            await resp.write(stream_error(e))
+            await resp.write_eof()
+        return resp
+
+    async def finish(self, done: Completion) -> web.StreamResponse:
+        """Send the rest: reasoning, content not streamed yet, tool calls, the finish reason,
+        usage and ``[DONE]``."""
+        resp = await self._start()
+        parsed = done.parsed
+        reasoning = parsed.reasoning or ""
+        for i in range(0, len(reasoning), STREAM_PIECE_CHARS):
+            await self._send({"reasoning_content": reasoning[i : i + STREAM_PIECE_CHARS]})
+        content = done.content_rest()
+        for i in range(0, len(content), STREAM_PIECE_CHARS):
+            await self._send({"content": content[i : i + STREAM_PIECE_CHARS]})
+        for i, c in enumerate(parsed.tool_calls):
+            await self._send({"tool_calls": [c.to_openai(index=i)]})
+        want_lp = bool(self.body.get("logprobs"))
+        lp = {"logprobs": logprobs_of(self.server, done)} if want_lp else {}
+        await self._send({}, done.finish, **lp)
+        opts = self.body.get("stream_options") or {}
+        if isinstance(opts, Mapping) and opts.get("include_usage"):
+            usage = {
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+            }
+            await resp.write(sse({**self.head, "choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

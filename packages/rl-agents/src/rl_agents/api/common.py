@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -26,6 +26,7 @@ __all__ = [
     "refuse",
     "sse",
     "stop_strings",
+    "stream_error",
     "text_of",
 ]
 
@@ -83,11 +84,23 @@ class Completion:
     """Why it ended, in OpenAI chat terms (each surface maps it to its own)."""
     stop_sequence: str | None = None
     """The stop string that ended it (``None``: a stop token, the length, or a tool call)."""
+    streamed: str = ""
+    """Content already sent to the client while it was generated (streaming; a prefix of
+    ``parsed.content`` but in a corner case, see :meth:`content_rest`)."""
 
     @property
     def completion_tokens(self) -> int:
         """Sampled tokens."""
         return len(self.turn.result.output_ids)
+
+    def content_rest(self) -> str:
+        """The content still to send after :attr:`streamed`: the rest of ``parsed.content``;
+        the whole content again in the corner case where parsing the finished text changed
+        what was streamed (a parser that trims text it took for content)."""
+        content = self.parsed.content or ""
+        if content.startswith(self.streamed):
+            return content[len(self.streamed) :]
+        return content
 
 
 class Backend(Protocol):
@@ -115,10 +128,15 @@ class Backend(Protocol):
         ...
 
     async def complete(
-        self, s: Session, req: ChatRequest, request: web.Request | None = None
+        self,
+        s: Session,
+        req: ChatRequest,
+        request: web.Request | None = None,
+        on_text: Callable[[str, int], Awaitable[None]] | None = None,
     ) -> Completion:
         """Render, generate and record one completion of session ``s`` (aborted when the
-        client of ``request`` disconnects)."""
+        client of ``request`` disconnects); content is handed to ``on_text`` (``(delta,
+        prompt tokens)``) as it is generated when given."""
         ...
 
 
@@ -131,6 +149,13 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPError(400, "request body must be a JSON object", "invalid_json")
     return body
+
+
+def stream_error(e: HTTPError) -> bytes:
+    """The server-sent event of an error met after a stream began (the HTTP status is sent):
+    OpenAI's and Anthropic's clients raise on an ``error`` event."""
+    err = {"message": e.message, "type": "api_error", "code": e.code, "param": e.param}
+    return sse({"type": "error", "error": err}, "error")
 
 
 def sse(data: Mapping[str, Any], event: str | None = None) -> bytes:

@@ -1,0 +1,290 @@
+"""Real streaming through the agent server: with a generator that streams, the official
+``openai`` and ``anthropic`` clients get the first content before the generation has finished
+(a generator that holds its last token until the test saw content), what they assemble and the
+recorded tokens equal the non-streamed ones; stop strings and tool calls are never streamed as
+content; a client that disconnects mid-stream aborts the generation and records nothing; the
+HF generator streams through the server with the same trajectory as non-streamed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+from rl_agents import AgentServer  # noqa: E402
+from rl_core.interfaces import GenerationChunk, Generator  # noqa: E402
+from rl_core.types import (  # noqa: E402
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+from rl_hf import HFGenerator, build_tiny_model, build_tokenizer  # noqa: E402
+from rl_hf.tiny import TinyModelSpec  # noqa: E402
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=64, seed=7)
+TEXT = "Hello there, this streams one token at a time."
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class Gated(Generator):
+    """Streams a scripted text token by token (then EOS); with ``gated``, the last chunk waits
+    until the test opens ``gate`` (so the test sees content before the generation ends)."""
+
+    streams_tokens = True
+    supports_abort = True
+
+    def __init__(self, tokenizer, text: str, *, gated: bool = True) -> None:
+        self.tokenizer, self.text, self.gated = tokenizer, text, gated
+        self.gate = asyncio.Event()
+        self.finished = 0
+        self.aborted: list[str] = []
+
+    @property
+    def weight_version(self) -> int:
+        return 1
+
+    def _result(self, r: GenerationRequest) -> GenerationResult:
+        ids = tuple(self.tokenizer.encode(self.text, add_special_tokens=False))
+        ids += (self.tokenizer.eos_token_id,)
+        return GenerationResult(
+            request_id=r.request_id,
+            output_ids=ids,
+            output_logprobs=tuple(-0.5 - 0.01 * i for i in range(len(ids))),
+            finish_reason=FinishReason.STOP,
+            weight_version=1,
+        )
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self.finished += len(requests)
+        return [self._result(r) for r in requests]
+
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        res = self._result(request)
+        for k in range(len(res.output_ids) - 1):
+            await asyncio.sleep(0)
+            if request.request_id in self.aborted:
+                cut = GenerationResult(
+                    request_id=request.request_id,
+                    output_ids=res.output_ids[:k],
+                    output_logprobs=res.output_logprobs[:k],
+                    finish_reason=FinishReason.ABORT,
+                    weight_version=1,
+                )
+                yield GenerationChunk((), (), cut)
+                return
+            yield GenerationChunk(res.output_ids[k : k + 1], res.output_logprobs[k : k + 1])
+        if self.gated:
+            await asyncio.wait_for(self.gate.wait(), 10)
+        self.finished += 1
+        yield GenerationChunk(res.output_ids[-1:], res.output_logprobs[-1:], res)
+
+    async def abort(self, request_ids=None) -> None:
+        self.aborted.extend(request_ids or [])
+
+    async def update_weights(self, update, transport) -> None:
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _serve(gen: Generator, tok, body):
+    async def main():
+        server = AgentServer(AgentServer.Config(), generator=gen, tokenizer=tok)
+        await server.start()
+        oa = openai.AsyncOpenAI(base_url=server.base_url, api_key="s", max_retries=0)
+        an = anthropic.AsyncAnthropic(base_url=server.root_url, api_key="s", max_retries=0)
+        try:
+            return await body(server, oa, an)
+        finally:
+            await oa.close()
+            await an.close()
+            await server.close()
+
+    return asyncio.run(main())
+
+
+def _rollout(server: AgentServer, sid: str):
+    (r,) = server.finish_session(sid, prompt_uid="p", prompt_ids=(1,), reward=0.0)
+    return r
+
+
+def test_openai_chat_stream_sends_content_before_the_generation_ends(tok):
+    gen = Gated(tok, TEXT)
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        stream = await oa.chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+        pieces, finished_at_first = [], None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta:
+                if finished_at_first is None:
+                    finished_at_first = gen.finished
+                    gen.gate.set()
+                pieces.append(delta)
+        streamed = _rollout(server, "s")
+        gen.gated = False
+        server.open_session("s2", sampling=SAMPLING)
+        full = await oa.chat.completions.create(
+            model="policy", messages=MESSAGES, extra_headers={"X-Session-Id": "s2"}
+        )
+        return pieces, finished_at_first, streamed, _rollout(server, "s2"), full
+
+    pieces, finished_at_first, streamed, plain, full = _serve(gen, tok, body)
+    assert finished_at_first == 0  # content arrived while the generation was held
+    assert len(pieces) > 3  # token by token, not one piece
+    assert "".join(pieces) == full.choices[0].message.content == TEXT
+    assert streamed.tokens == plain.tokens and streamed.rollout_logprobs == plain.rollout_logprobs
+    assert streamed.loss_mask == plain.loss_mask
+
+
+def test_anthropic_stream_sends_text_before_the_generation_ends(tok):
+    gen = Gated(tok, TEXT)
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        finished_at_first, pieces = None, []
+        async with an.messages.stream(model="policy", max_tokens=64, messages=MESSAGES) as s:
+            async for text in s.text_stream:
+                if finished_at_first is None:
+                    finished_at_first = gen.finished
+                    gen.gate.set()
+                pieces.append(text)
+            msg = await s.get_final_message()
+        streamed = _rollout(server, "s")
+        gen.gated = False
+        server.open_session("s2", sampling=SAMPLING)
+        full = await an.messages.create(
+            model="policy", max_tokens=64, messages=MESSAGES, extra_headers={"X-Session-Id": "s2"}
+        )
+        return pieces, finished_at_first, msg, full, streamed, _rollout(server, "s2")
+
+    pieces, finished_at_first, msg, full, streamed, plain = _serve(gen, tok, body)
+    assert finished_at_first == 0 and len(pieces) > 3
+    assert "".join(pieces) == TEXT
+    assert [b.model_dump() for b in msg.content] == [b.model_dump() for b in full.content]
+    assert msg.stop_reason == full.stop_reason == "end_turn"
+    assert streamed.tokens == plain.tokens and streamed.rollout_logprobs == plain.rollout_logprobs
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "content"),
+    [
+        ("Sure thing. STOP and more text", ["STOP"], "Sure thing. "),
+        (
+            "Adding now.<tool_call>\n" + '{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+            None,
+            "Adding now.",
+        ),
+    ],
+)
+def test_stop_strings_and_tool_calls_are_not_streamed_as_content(tok, text, stop, content):
+    gen = Gated(tok, text, gated=False)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        stream = await oa.chat.completions.create(
+            model="policy", messages=MESSAGES, stream=True, stop=stop, tools=tools
+        )
+        pieces, calls, finish = [], [], None
+        async for chunk in stream:
+            d = chunk.choices[0].delta
+            pieces.append(d.content or "")
+            calls.extend(d.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+        server.open_session("s2", sampling=SAMPLING)
+        full = await oa.chat.completions.create(
+            model="policy",
+            messages=MESSAGES,
+            stop=stop,
+            tools=tools,
+            extra_headers={"X-Session-Id": "s2"},
+        )
+        return pieces, calls, finish, full, _rollout(server, "s"), _rollout(server, "s2")
+
+    pieces, calls, finish, full, streamed, plain = _serve(gen, tok, body)
+    assert "".join(pieces) == content == full.choices[0].message.content
+    for k in range(len(pieces)):  # no prefix of what was sent ever held a cut piece
+        sent = "".join(pieces[: k + 1])
+        assert "<" not in sent and "ST" not in sent
+    assert finish == full.choices[0].finish_reason
+    assert [c.function.name for c in calls] == [
+        c.function.name for c in full.choices[0].message.tool_calls or []
+    ]
+    assert streamed.tokens == plain.tokens and streamed.rollout_logprobs == plain.rollout_logprobs
+
+
+def test_client_disconnect_mid_stream_aborts_and_records_nothing(tok):
+    gen = Gated(tok, TEXT)
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(
+                f"{server.base_url}/chat/completions",
+                json={"model": "policy", "messages": MESSAGES, "stream": True},
+                headers={"Authorization": "Bearer s"},
+            )
+            async for line in resp.content:
+                if b'"content": "' in line and b'"content": ""' not in line:
+                    break
+            resp.close()  # the agent goes away mid-stream
+        for _ in range(100):
+            if gen.aborted:
+                break
+            await asyncio.sleep(0.02)
+        gen.gate.set()
+        await asyncio.sleep(0.1)
+        return list(gen.aborted), len(server.sessions["s"].turns)
+
+    aborted, turns = _serve(gen, tok, body)
+    assert len(aborted) == 1 and aborted[0].startswith("s/0/")
+    assert turns == 0
+
+
+def test_hf_generator_streams_through_the_server_with_the_same_trajectory(tmp_path, tok):
+    path = build_tiny_model(
+        tmp_path,
+        TinyModelSpec(
+            hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
+        ),
+    )
+    gen = HFGenerator(HFGenerator.Config(model_path=str(path)))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=11)
+
+    async def body(server, oa, an):
+        out = []
+        for sid, stream in (("a", True), ("b", False)):
+            server.open_session(sid, sampling=sp)
+            if stream:
+                s = await oa.chat.completions.create(
+                    model="policy",
+                    messages=MESSAGES,
+                    stream=True,
+                    extra_headers={"X-Session-Id": sid},
+                )
+                text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+            else:
+                r = await oa.chat.completions.create(
+                    model="policy", messages=MESSAGES, extra_headers={"X-Session-Id": sid}
+                )
+                text = r.choices[0].message.content or ""
+            out.append((text, _rollout(server, sid)))
+        return out
+
+    try:
+        (t1, r1), (t2, r2) = _serve(gen, tok, body)
+    finally:
+        asyncio.run(gen.close())
+    assert t1 == t2
+    assert r1.tokens == r2.tokens and r1.rollout_logprobs == r2.rollout_logprobs
