@@ -192,3 +192,22 @@ def test_the_trim_per_rl_step_leaves_results_unchanged(tiny_recipe_dict, tmp_pat
     assert on == off
     assert w_on.keys() == w_off.keys()
     assert all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+
+
+def test_check_says_what_the_run_will_choose(tmp_path) -> None:
+    """``rl-train check`` lists the chosen settings with their reasons (not as findings: the
+    check still passes) and prints them."""
+    from rich.console import Console
+
+    from rl_trainer.check import check_recipe, print_report
+
+    sets = [f"run_dir={tmp_path / 'run'}", *ASYNC_LONG]
+    report = check_recipe(recipe_path("demo"), sets, rows=1)
+    assert not report.problems
+    assert report.chosen[0].startswith("runtime.generator_process: True (async local run")
+    assert report.chosen[1].startswith("policy.compile_model: True (rl.steps 1000 >= 600")
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=400))
+    assert "chosen for this run: runtime.generator_process: True" in out.getvalue()
+    mine = check_recipe(recipe_path("demo"), [*sets, "policy.compile_model=false"], rows=1)
+    assert not any(c.startswith("policy.compile_model") for c in mine.chosen)

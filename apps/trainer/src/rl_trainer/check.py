@@ -39,6 +39,7 @@ Every finding names the field or file at fault and says how to fix it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import tempfile
@@ -73,6 +74,7 @@ from rl_trainer.build import (
     validate_spec,
 )
 from rl_trainer.config import TrainerConfig, load_trainer_config
+from rl_trainer.defaults import auto_choices
 from rl_trainer.presets import PRESET_SECTIONS, load_preset, shadowed_keys
 
 __all__ = ["DUMMY_RESPONSES", "CheckReport", "Finding", "SampleRow", "check_recipe", "print_report"]
@@ -133,6 +135,9 @@ class CheckReport:
     replaced: list[str] = field(default_factory=list)
     """With a preset: the dotted keys the preset sets whose value the recipe (or ``--set``)
     replaced."""
+    chosen: list[str] = field(default_factory=list)
+    """The settings the trainer chooses because the recipe leaves them open, each with its
+    reason (:func:`rl_trainer.defaults.auto_choices`)."""
 
     @property
     def problems(self) -> list[Finding]:
@@ -591,6 +596,9 @@ def check_recipe(
     ok, cfg = _attempt(report, "recipe", lambda: load_trainer_config(recipe, list(overrides)))
     if not ok:
         return report
+    # The settings the trainer will choose because the recipe leaves them open (and why).
+    with contextlib.suppress(RLError):  # an unknown policy type: the component checks say it
+        report.chosen = [c.line() for c in auto_choices(cfg)]
     if cfg.preset is not None:
         plain = to_dict(cfg)
         report.preset = str(cfg.preset)
@@ -787,6 +795,8 @@ def print_report(report: CheckReport, console: Any = None) -> None:
                     + ", ".join(report.replaced)
                 )
             )
+    for chosen in report.chosen:
+        console.print(Text(f"chosen for this run: {chosen}", style="cyan"))
     for f in report.findings:
         style = {"problem": "bold red", "warning": "yellow"}.get(f.level, "cyan")
         line = Text(f"{f.level.upper()} ", style=style)
