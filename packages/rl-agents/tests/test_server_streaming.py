@@ -176,6 +176,39 @@ def test_anthropic_stream_sends_text_before_the_generation_ends(tok):
     assert streamed.tokens == plain.tokens and streamed.rollout_logprobs == plain.rollout_logprobs
 
 
+def test_responses_stream_sends_text_before_the_generation_ends(tok):
+    gen = Gated(tok, TEXT)
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        stream = await oa.responses.create(model="policy", input="hi", stream=True)
+        finished_at_first, pieces, final, kinds = None, [], None, []
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                if finished_at_first is None:
+                    finished_at_first = gen.finished
+                    gen.gate.set()
+                pieces.append(event.delta)
+            if event.type == "response.completed":
+                final = event.response
+        streamed = _rollout(server, "s")
+        gen.gated = False
+        server.open_session("s2", sampling=SAMPLING)
+        full = await oa.responses.create(
+            model="policy", input="hi", extra_headers={"X-Session-Id": "s2"}
+        )
+        return pieces, finished_at_first, final, full, kinds, streamed, _rollout(server, "s2")
+
+    pieces, finished_at_first, final, full, kinds, streamed, plain = _serve(gen, tok, body)
+    assert finished_at_first == 0 and len(pieces) > 3
+    assert "".join(pieces) == final.output_text == full.output_text == TEXT
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["message"]
+    assert streamed.tokens == plain.tokens
+    assert streamed.rollout_logprobs == plain.rollout_logprobs
+
+
 @pytest.mark.parametrize(
     ("text", "stop", "content"),
     [

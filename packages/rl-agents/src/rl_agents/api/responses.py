@@ -18,14 +18,17 @@ function (the engine cannot force a call), ``text.format`` other than text and
 other value on (see :class:`~rl_agents.server.AgentServer`). The output holds a ``reasoning``
 item (the model's reasoning as ``reasoning_text`` content, when it wrote any), a ``message``
 item (when there is text) and one ``function_call`` item per call; ``status`` is ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``
-when the engine hit its length limit. Streaming is emulated: ``response.created``,
-``response.in_progress``, per item ``response.output_item.added`` / reasoning, text or argument
-deltas /
-``...done`` events, then ``response.completed`` (or ``response.incomplete``).
+when the engine hit its length limit. Streaming: ``response.created``, ``response.in_progress``,
+per item ``response.output_item.added`` / reasoning, text or argument deltas / ``...done``
+events, then ``response.completed`` (or ``response.incomplete``). With a generator that
+streams, text is sent as it is generated (the message item at output index 0, begun before the
+completion ends; see :class:`~rl_agents.server.AgentServer` for which text is sent early), the
+other items follow once it ends; an error met after the stream began is an ``error`` event.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -41,6 +44,7 @@ from rl_agents.api.common import (
     read_json,
     refuse,
     sse,
+    stream_error,
     text_of,
 )
 
@@ -210,15 +214,34 @@ def to_response(done: Completion, body: Mapping[str, Any], model: str, rid: str)
             }
         )
     incomplete = done.finish == "length" and not done.parsed.tool_calls
+    usage = {
+        "input_tokens": done.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": done.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+    return {
+        **_envelope(body, model, rid),
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": output,
+        "usage": usage,
+    }
+
+
+def _envelope(body: Mapping[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """The fields of a Responses API object that do not depend on the completion (an
+    ``in_progress`` response with no output)."""
     return {
         "id": rid,
         "object": "response",
         "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "status": "in_progress",
+        "incomplete_details": None,
         "error": None,
         "model": model,
-        "output": output,
+        "output": [],
         "instructions": body.get("instructions"),
         "previous_response_id": body.get("previous_response_id"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -228,13 +251,7 @@ def to_response(done: Completion, body: Mapping[str, Any], model: str, rid: str)
         "tools": list(body.get("tools") or []),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
-        "usage": {
-            "input_tokens": done.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": done.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-        },
+        "usage": None,
     }
 
 
@@ -250,6 +267,7 @@ def _history_of(req: ChatRequest, done: Completion, instructions: bool) -> list[
 
 async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
     """Serve one response (see the module docstring)."""
+    out: _Stream | None = None
     try:
         body = await read_json(request)
         adapter = server.check_model(body.get("model"))
@@ -267,79 +285,180 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
                 )
             history = session.responses[prev]
         req = parse(body, history, adapter)
-        done = await server.complete(session, req, request)
+        model = str(body.get("model") or server.served_model)
+        rid = f"resp_{uuid.uuid4().hex}"
+        if body.get("stream"):
+            out = _Stream(request, _envelope(body, model, rid))
+            done = await server.complete(session, req, request, on_text=out.content)
+        else:
+            done = await server.complete(session, req, request)
     except HTTPError as e:
-        return error_response(e)
+        if out is None or out.resp is None:
+            return error_response(e)
+        return await out.fail(e)
     from aiohttp import web
 
-    rid = f"resp_{uuid.uuid4().hex}"
     session.responses[rid] = _history_of(req, done, bool(body.get("instructions")))
-    response = to_response(done, body, str(body.get("model") or server.served_model), rid)
-    if not body.get("stream"):
-        return web.json_response(response)
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await resp.prepare(request)
-    seq = 0
+    response = to_response(done, body, model, rid)
+    if out is not None:
+        return await out.finish(response, done)
+    return web.json_response(response)
 
-    async def send(event: str, data: dict[str, Any]) -> None:
-        nonlocal seq
-        await resp.write(sse({"type": event, "sequence_number": seq, **data}, event))
-        seq += 1
 
-    pending = {**response, "status": "in_progress", "output": [], "incomplete_details": None}
-    await send("response.created", {"response": pending})
-    await send("response.in_progress", {"response": pending})
-    for n, item in enumerate(response["output"]):
-        ids = {"item_id": item["id"], "output_index": n}
+class _Stream:
+    """A streamed response: the events are sent as the completion is generated (the message
+    item first when text streams before the completion ends)."""
+
+    def __init__(self, request: web.Request, envelope: dict[str, Any]) -> None:
+        self.request, self.envelope = request, envelope
+        self.resp: web.StreamResponse | None = None
+        self.seq = 0
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.text_open = False
+        """The message item (output index 0) was begun while generating."""
+
+    async def _send(self, event: str, data: dict[str, Any]) -> None:
+        assert self.resp is not None
+        await self.resp.write(sse({"type": event, "sequence_number": self.seq, **data}, event))
+        self.seq += 1
+
+    async def _start(self) -> web.StreamResponse:
+        from aiohttp import web
+
+        if self.resp is None:
+            self.resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self.resp.prepare(self.request)
+            await self._send("response.created", {"response": self.envelope})
+            await self._send("response.in_progress", {"response": self.envelope})
+        return self.resp
+
+    def _ids(self, n: int, item_id: str) -> dict[str, Any]:
+        return {"item_id": item_id, "output_index": n}
+
+    async def content(self, delta: str, prompt_tokens: int) -> None:
+        """Send text generated so far (the server's ``on_text``)."""
+        await self._start()
+        ids = self._ids(0, self.msg_id)
+        if not self.text_open:
+            self.text_open = True
+            item = {
+                "type": "message",
+                "id": self.msg_id,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            await self._send("response.output_item.added", {"output_index": 0, "item": item})
+            part = {"type": "output_text", "text": "", "annotations": []}
+            await self._send(
+                "response.content_part.added", {**ids, "content_index": 0, "part": part}
+            )
+        await self._send(
+            "response.output_text.delta",
+            {**ids, "content_index": 0, "delta": delta, "logprobs": []},
+        )
+
+    async def fail(self, e: HTTPError) -> web.StreamResponse:
+        """End a begun stream with an ``error`` event."""
+        resp = await self._start()
+        with contextlib.suppress(ConnectionError):
+            await resp.write(stream_error(e))
+            await resp.write_eof()
+        return resp
+
+    async def finish(self, response: dict[str, Any], done: Completion) -> web.StreamResponse:
+        """Send the rest: the streamed message's rest, each other output item, then
+        ``response.completed`` (or ``response.incomplete``)."""
+        resp = await self._start()
+        output = list(response["output"])
+        if self.text_open:  # the streamed message is output item 0, under its streamed id
+            msg = next((o for o in output if o["type"] == "message"), None)
+            if msg is None:  # everything streamed was whitespace the parser dropped
+                part = {"type": "output_text", "text": done.streamed, "annotations": []}
+                msg = {"type": "message", "role": "assistant", "content": [part]}
+            else:
+                output.remove(msg)
+            msg = {**msg, "id": self.msg_id, "status": "completed"}
+            output.insert(0, msg)
+            response = {**response, "output": output}
+            ids = self._ids(0, self.msg_id)
+            rest = done.content_rest()
+            if rest:
+                await self._send(
+                    "response.output_text.delta",
+                    {**ids, "content_index": 0, "delta": rest, "logprobs": []},
+                )
+            part = msg["content"][0]
+            await self._send(
+                "response.output_text.done",
+                {**ids, "content_index": 0, "text": part["text"], "logprobs": []},
+            )
+            await self._send(
+                "response.content_part.done", {**ids, "content_index": 0, "part": part}
+            )
+            await self._send("response.output_item.done", {"output_index": 0, "item": msg})
+        for n, item in enumerate(output):
+            if not (self.text_open and n == 0):
+                await self._item(n, item)
+        final = (
+            "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        )
+        await self._send(final, {"response": response})
+        await resp.write_eof()
+        return resp
+
+    async def _item(self, n: int, item: dict[str, Any]) -> None:
+        """One whole output item at index ``n``: added, its deltas, done."""
+        ids = self._ids(n, item["id"])
         if item["type"] == "reasoning":
-            await send(
+            await self._send(
                 "response.output_item.added",
                 {"output_index": n, "item": {**item, "status": "in_progress", "content": []}},
             )
             text = item["content"][0]["text"]
             for j in range(0, len(text), _PIECE):
-                await send(
+                await self._send(
                     "response.reasoning_text.delta",
                     {**ids, "content_index": 0, "delta": text[j : j + _PIECE]},
                 )
-            await send("response.reasoning_text.done", {**ids, "content_index": 0, "text": text})
+            await self._send(
+                "response.reasoning_text.done", {**ids, "content_index": 0, "text": text}
+            )
         elif item["type"] == "message":
-            await send(
+            await self._send(
                 "response.output_item.added",
                 {"output_index": n, "item": {**item, "status": "in_progress", "content": []}},
             )
             part = item["content"][0]
-            await send(
+            await self._send(
                 "response.content_part.added",
                 {**ids, "content_index": 0, "part": {**part, "text": ""}},
             )
             text = part["text"]
             for j in range(0, len(text), _PIECE):
-                await send(
+                await self._send(
                     "response.output_text.delta",
                     {**ids, "content_index": 0, "delta": text[j : j + _PIECE], "logprobs": []},
                 )
-            await send(
+            await self._send(
                 "response.output_text.done",
                 {**ids, "content_index": 0, "text": text, "logprobs": []},
             )
-            await send("response.content_part.done", {**ids, "content_index": 0, "part": part})
+            await self._send(
+                "response.content_part.done", {**ids, "content_index": 0, "part": part}
+            )
         else:
-            await send(
+            await self._send(
                 "response.output_item.added",
                 {"output_index": n, "item": {**item, "status": "in_progress", "arguments": ""}},
             )
-            await send(
+            await self._send(
                 "response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}
             )
-            await send(
+            await self._send(
                 "response.function_call_arguments.done",
                 {**ids, "name": item["name"], "arguments": item["arguments"]},
             )
-        await send("response.output_item.done", {"output_index": n, "item": item})
-    final = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    await send(final, {"response": response})
-    await resp.write_eof()
-    return resp
+        await self._send("response.output_item.done", {"output_index": n, "item": item})
