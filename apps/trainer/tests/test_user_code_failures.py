@@ -4,7 +4,6 @@ which every rollout failed stops the run at once."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import sys
@@ -13,12 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_buffer.failures import RolloutStats, user_frame
-from rl_buffer.rollout import generate_groups
 from rl_buffer.sampler import SamplingExhaustedError
-from rl_buffer.scoring import Scorer
 from rl_core.errors import ConfigError, RewardError, RLError
-from rl_core.types import RolloutStatus, SamplingParams
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
 
@@ -270,83 +265,3 @@ def test_async_generation_stops_with_the_same_report(tmp_path, tiny_recipe_dict,
         Trainer(load_trainer_config(recipe)).run()
     assert "step 1, round 1: 4 of 4 rollouts failed" in str(info.value)
     assert f"{path}:{_line_of(path, 'judge offline')} in score" in str(info.value)
-
-
-def test_user_frame_is_the_users_line_not_the_library_it_called(user_module):
-    path = user_module(
-        "ucf_frame",
-        """
-        import json
-
-        def score(text):
-            return json.loads(text)
-        """,
-    )
-    import ucf_frame
-
-    with pytest.raises(ValueError) as info:
-        ucf_frame.score("{not json")
-    frame = user_frame(info.value)
-    assert (frame.filename, frame.lineno) == (str(path), _line_of(path, "json.loads"))
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        (None, "returned None; a reward returns a float or a mapping with a 'reward' key"),
-        ("1.0", "returned '1.0'; a reward returns a float"),
-        ((1.0, {"len": 2}), "returned tuple (1.0, {'len': 2}); a reward returns a float"),
-        ({"reward": None}, "returned None under key 'reward'"),
-        ({"score": 1.0}, "returned a mapping without the 'reward' key (keys: ['score'])"),
-        (float("inf"), "returned inf; rewards must be finite numbers"),
-    ],
-)
-def test_wrong_reward_values_are_invalid_with_their_cause(
-    text_group, char_tokenizer, value, message
-):
-    g = text_group("g", ["ab", "ba"])
-    stats = RolloutStats()
-    asyncio.run(Scorer(lambda p, t, r: value, char_tokenizer).score([g], stats))
-    assert stats.failed == {"reward_invalid": 2}
-    assert all(r.status == RolloutStatus.FAILED for r in g.rollouts)
-    assert message in stats.first["reward_invalid"].describe()
-    assert "<lambda> is defined at" in stats.first["reward_invalid"].describe()
-
-
-def test_group_reward_with_too_few_values_fails_its_group(text_group, char_tokenizer):
-    g = text_group("g", ["ab", "ba", "aa"])
-    stats = RolloutStats()
-    scorer = Scorer(None, char_tokenizer, group_reward_fn=lambda p, texts, rs: [1.0])
-    asyncio.run(scorer.score([g], stats))
-    assert stats.failed == {"group_reward_invalid": 3}
-    assert "returned 1 values for 3 rollouts" in stats.first["group_reward_invalid"].error
-
-
-def test_generate_fn_returning_the_wrong_type(text_group, char_tokenizer):
-    prompts = [text_group(f"p{i}", ["a"]).prompt for i in range(2)]
-
-    async def rollout_fn(prompt, ctx):
-        return {"tokens": [1, 2]}
-
-    def run(stats):
-        return asyncio.run(
-            generate_groups(
-                prompts,
-                generator=None,
-                tokenizer=char_tokenizer,
-                sampling=SamplingParams(),
-                n_samples=3,
-                seed_parts=(0,),
-                policy_version=0,
-                generate_fn=rollout_fn,
-                stats=stats,
-            )
-        )
-
-    stats = RolloutStats()
-    groups = run(stats)
-    assert [len(g.rollouts) for g in groups] == [0, 0]
-    assert (stats.rollouts, stats.failed) == (6, {"rollout_fn_invalid": 6})
-    assert "a GenerateFn returns a list of Rollout" in stats.first["rollout_fn_invalid"].error
-    with pytest.raises(RLError, match=r"^rollout.generate_fn: returned dict"):
-        run(None)  # no stats to count in: the cause is raised

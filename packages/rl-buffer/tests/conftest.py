@@ -61,3 +61,29 @@ def _write_jsonl(path: Path, records: list[Any]) -> Path:
 def write_jsonl():
     """``write_jsonl(path, records)``: records are dicts (dumped) or raw strings (written as is)."""
     return _write_jsonl
+
+
+@pytest.fixture
+def text_group():
+    """A function ``(uid, responses, label="ab") -> Group``: one prompt (token 1) whose rollouts
+    respond with the given strings, one token per character (``ord``; see ``char_tokenizer``)."""
+    from rl_core.types import Group, Prompt, Rollout
+
+    def make(uid: str, responses: list[str], label: str | None = "ab") -> Group:
+        p = Prompt(uid=uid, input="x", token_ids=(1,), label=label)
+        rs = [
+            Rollout(
+                prompt_uid=uid,
+                rollout_id=f"{uid}/{j}",
+                sample_id=f"{uid}/{j}",
+                tokens=(1, *map(ord, t)),
+                response_start=1,
+                loss_mask=(1,) * len(t),
+                rollout_logprobs=(0.0,) * len(t),
+                versions=(0,) * len(t),
+            )
+            for j, t in enumerate(responses)
+        ]
+        return Group(prompt=p, rollouts=rs)
+
+    return make
