@@ -40,7 +40,7 @@ import codecs
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -183,19 +183,40 @@ class FileSource(DataSource):
         self._kept = 0
         self._skipped_roles: list[str] = []
         too_long: list[str] = []
-        for row, where, record, locator in self._read_records():
-            self.num_records += 1
-            r = self._convert(row, where, record)
-            if r is None:
-                self.num_dropped_unknown_role += 1
-                continue
-            if self.max_prompt_tokens is not None and len(r.token_ids) > self.max_prompt_tokens:
-                self.num_dropped_too_long += 1
-                if len(too_long) < 5:
-                    too_long.append(f"{where} ({len(r.token_ids)} tokens)")
-                continue
-            self._keep(r, locator)
-            self._kept += 1
+        self._batch_encode = _batch_encoder(tokenizer)
+        self._batch_checked = False
+        pending: list[tuple[_Row, str, str, Any]] = []  # (row, text to encode, where, locator)
+
+        def flush() -> None:
+            """Tokenize the pending records as one batch, then filter and keep them in order."""
+            ids = self._encode_many(
+                [text for _, text, _, _ in pending], [w for _, _, w, _ in pending]
+            )
+            for (r, _, where, locator), row_ids in zip(pending, ids):
+                r.token_ids = _checked_ids(row_ids, where)
+                if self.max_prompt_tokens is not None and len(r.token_ids) > self.max_prompt_tokens:
+                    self.num_dropped_too_long += 1
+                    if len(too_long) < 5:
+                        too_long.append(f"{where} ({len(r.token_ids)} tokens)")
+                    continue
+                self._keep(r, locator)
+                self._kept += 1
+            pending.clear()
+
+        try:
+            for row, where, record, locator in self._read_records():
+                self.num_records += 1
+                prepared = self._prepare(row, where, record)
+                if prepared is None:
+                    self.num_dropped_unknown_role += 1
+                    continue
+                pending.append((prepared[0], prepared[1], where, locator))
+                if len(pending) >= (_ENCODE_BATCH if self._batch_encode else 1):
+                    flush()
+        except RLError:
+            flush()  # an error in an earlier record of the batch is reported first
+            raise
+        flush()
         if self.num_dropped_too_long:
             logger.warning(
                 "%s: dropped %d of %d prompts longer than %s (first: %s); raise "
@@ -283,6 +304,17 @@ class FileSource(DataSource):
         return record[key]
 
     def _convert(self, row: int, where: str, record: Any) -> _Row | None:
+        """The checked, tokenized prompt of a record, or ``None`` (a chat role to skip)."""
+        prepared = self._prepare(row, where, record)
+        if prepared is None:
+            return None
+        r, text = prepared
+        r.token_ids = _checked_ids(self._encode_many([text], [where])[0], where)
+        return r
+
+    def _prepare(self, row: int, where: str, record: Any) -> tuple[_Row, str] | None:
+        """A record checked and rendered, not yet tokenized: the row (``token_ids`` empty) and
+        the text to encode; ``None`` for a record to skip (a chat role outside ``chat_roles``)."""
         cfg = self.config
         inp = self._get(record, cfg.input_key, where, "input_key")
         label = self._get(record, cfg.label_key, where, "label_key") if cfg.label_key else None
@@ -320,7 +352,7 @@ class FileSource(DataSource):
                 f"messages ({{'role': ..., 'content': ...}}), got {got}. Fix the record or set "
                 "input_key to the key that holds the prompt."
             )
-        return _Row(row, inp, self._tokenize(inp, tools, where), label, metadata)
+        return _Row(row, inp, (), label, metadata), self._render(inp, tools, where)
 
     def _roles_known(self, messages: list[dict[str, Any]], where: str) -> bool:
         """True if every message's role is in ``chat_roles``; False (skip the record) or
@@ -342,7 +374,14 @@ class FileSource(DataSource):
             )
         return True
 
-    def _tokenize(self, inp: str | list[dict[str, Any]], tools: Any, where: str) -> tuple[int, ...]:
+    @property
+    def _add_special_tokens(self) -> bool:
+        """Whether encoding adds the tokenizer's special tokens: never for rendered chat text
+        (the template wrote them), else ``add_special_tokens``."""
+        return self.config.add_special_tokens and not self.config.apply_chat_template
+
+    def _render(self, inp: str | list[dict[str, Any]], tools: Any, where: str) -> str:
+        """The text to encode: the input itself, or the chat template's rendering of it."""
         cfg = self.config
         if not cfg.apply_chat_template:
             if not isinstance(inp, str):
@@ -350,30 +389,52 @@ class FileSource(DataSource):
                     f"{where}: key {cfg.input_key!r} holds chat messages but apply_chat_template "
                     "is false; set apply_chat_template=true to render them."
                 )
-            ids = self._encode(inp, where, add_special_tokens=cfg.add_special_tokens)
-        else:
-            messages = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
-            kwargs = dict(cfg.chat_template_kwargs)
-            if tools is not None:
-                kwargs["tools"] = tools
-            try:
-                text = self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                    messages, tokenize=False, add_generation_prompt=True, **kwargs
-                )
-            except Exception as e:  # the template is user code (Jinja); name the record
-                raise DataError(f"{where}: the chat template failed on this record: {e}") from e
-            if not isinstance(text, str):
-                raise DataError(
-                    f"{where}: the chat template returned {type(text).__name__}, not text; "
-                    "check the tokenizer's chat template."
-                )
-            ids = self._encode(text, where, add_special_tokens=False)
-        out = tuple(int(t) for t in ids)
-        if not out:
-            raise DataError(f"{where}: the prompt tokenizes to zero tokens; remove the record.")
-        return out
+            return inp
+        messages = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+        kwargs = dict(cfg.chat_template_kwargs)
+        if tools is not None:
+            kwargs["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # the template is user code (Jinja); name the record
+            raise DataError(f"{where}: the chat template failed on this record: {e}") from e
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: the chat template returned {type(text).__name__}, not text; "
+                "check the tokenizer's chat template."
+            )
+        return text
 
-    def _encode(self, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
+    def _encode_many(self, texts: list[str], wheres: list[str]) -> list[Sequence[int]]:
+        """Token ids of every text, exactly as ``tokenizer.encode`` gives them one at a time:
+        one call to the tokenizer's fast backend when :func:`_batch_encoder` proved it the same
+        (and the first batch checked it), else one ``encode`` per text."""
+        add = self._add_special_tokens
+        if self._batch_encode is not None and len(texts) > 1:
+            try:
+                out = self._batch_encode(texts, add)
+            except Exception:  # e.g. a lone surrogate: per row below names the record
+                out = None
+            if out is not None and not self._batch_checked:
+                n = min(len(texts), _CHECK_ROWS)
+                if [list(x) for x in out[:n]] != [
+                    self._encode(t, w, add) for t, w in zip(texts[:n], wheres[:n])
+                ]:
+                    logger.warning(
+                        "%s: the tokenizer's batch encoding differs from encode() on the first "
+                        "records; tokenizing one record at a time (slower, same ids).",
+                        self.file,
+                    )
+                    self._batch_encode = out = None
+                self._batch_checked = True
+            if out is not None:
+                return out
+        return [self._encode(t, w, add) for t, w in zip(texts, wheres)]
+
+    def _encode(self, text: str, where: str, add_special_tokens: bool) -> list[int]:
+        """``tokenizer.encode`` of one text, or :class:`DataError` naming the record."""
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # the tokenizer is third-party code; name the record
@@ -608,6 +669,61 @@ def _parse_json(text: str, where: str, what: str = "malformed") -> Any:
     except (ValueError, RecursionError) as e:  # e.g. a 5000-digit integer, nesting too deep
         detail = str(e) or type(e).__name__
     raise DataError(f"{where}: {what} JSON ({detail}). Fix or remove the record.")
+
+
+_ENCODE_BATCH = 1024
+"""Records tokenized per call of the tokenizer's fast backend while a source reads its file
+(held until then: about half a megabyte of short prompts); one at a time without a batch encoder."""
+_CHECK_ROWS = 64
+"""Records of the first batch also encoded one at a time, to check the batch gives their ids."""
+
+
+def _checked_ids(ids: Sequence[int], where: str) -> tuple[int, ...]:
+    """``ids`` as a tuple of ints, or :class:`DataError` when there are none."""
+    out = tuple(map(int, ids))
+    if not out:
+        raise DataError(f"{where}: the prompt tokenizes to zero tokens; remove the record.")
+    return out
+
+
+def _batch_encoder(tokenizer: Any) -> Callable[[list[str], bool], list[list[int]]] | None:
+    """A function encoding a batch of texts with a Hugging Face fast tokenizer's backend, giving
+    exactly ``tokenizer.encode(text, add_special_tokens=...)`` for each; ``None`` when that cannot
+    be shown from the tokenizer (not a fast tokenizer, an ``encode`` overridden, truncation or
+    padding set on the backend), and the source then encodes one record at a time.
+
+    In transformers, a fast tokenizer's ``encode(text)`` is ``_encode_plus([text])``: it sets no
+    truncation and no padding on the backend, sets ``encode_special_tokens`` to
+    ``split_special_tokens``, calls ``backend.encode_batch([text], add_special_tokens=...)`` and
+    returns that encoding's ids. The backend encodes every text of a batch on its own, so one
+    ``encode_batch`` over many texts gives each text's ids (``encode_batch_fast`` where the
+    backend has it: the same ids, without character offsets); it is used here only under the same
+    conditions (checked once more on the first batch's records by the caller).
+    """
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or (
+        cls.encode is not PreTrainedTokenizerBase.encode
+        or cls._encode_plus is not TokenizersBackend._encode_plus
+    ):
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if bool(backend.encode_special_tokens) != bool(tokenizer.split_special_tokens):
+        return None
+
+    # encode_batch_fast: the same ids without computing character offsets (tokenizers >= 0.21)
+    batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+
+    def encode(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+
+    return encode
 
 
 class ParquetSource(FileSource):
