@@ -321,3 +321,34 @@ def test_hf_generator_streams_through_the_server_with_the_same_trajectory(tmp_pa
         asyncio.run(gen.close())
     assert t1 == t2
     assert r1.tokens == r2.tokens and r1.rollout_logprobs == r2.rollout_logprobs
+
+
+class _NoUpdates:
+    """Weight updates that never come (a ResumableGenerator that is never cut)."""
+
+    async def newer_than(self, version: int) -> None:
+        await asyncio.Event().wait()
+
+    async def catch_up(self) -> int:
+        return 1
+
+
+def test_streaming_through_a_resumable_generator_still_answers(tok):
+    """Partial rollouts wrap the engine in a ResumableGenerator, which does not stream: a
+    streamed request gets the whole reply at the end, cut at its stop string as before."""
+    from rl_agents.resumable import ResumableGenerator
+
+    wrapped = ResumableGenerator(Gated(tok, TEXT, gated=False), _NoUpdates())
+    assert not wrapped.streams_tokens
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        stream = await oa.chat.completions.create(
+            model="policy", messages=MESSAGES, stream=True, stop=["one token"]
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return text, server.sessions["s"].turns[0].result.output_ids
+
+    text, out = _serve(wrapped, tok, body)
+    assert text == "Hello there, this streams "
+    assert tok.decode(list(out)) == "Hello there, this streams one token"  # cut after the stop
