@@ -58,6 +58,7 @@ def test_generator_process_is_chosen_for_long_async_local_hf_runs() -> None:
         (("rl.steps=100",), "rl.steps 100 < 358"),
         (("policy.lora.rank=4",), "LoRA"),
         (("weight_transport.type=disk_full",), "weight_transport"),
+        (("rollout.generate_fn.type=calculator",), "generate_fn"),
     ],
 )
 def test_each_rule_keeps_the_generator_in_process(extra: tuple[str, ...], why: str) -> None:

@@ -573,7 +573,7 @@ class RuntimeConfig:
     requests go over a pipe and weights through shared memory
     (:mod:`rl_trainer.generator_process`). Start-up pays the child's imports and model load.
     ``None`` (auto): on for asynchronous runs with the ``hf`` generator, the ``inprocess``
-    weight transport, no LoRA and ``threads >= 2`` of at least
+    weight transport, the built-in rollout, no LoRA and ``threads >= 2`` of at least
     ``rl_trainer.defaults.GENERATOR_PROCESS_MIN_STEPS`` (358) RL steps, where the measured gain
     repays the start-up (:mod:`rl_trainer.defaults`; ``rl-train check`` says what it chose)."""
 

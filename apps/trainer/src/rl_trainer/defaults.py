@@ -11,7 +11,8 @@ the recipe (or ``--set``) gives always wins::
 
 - ``runtime.generator_process`` (``None`` = auto): the generator in a process of its own takes
   its Python off the trainer's GIL. Chosen for asynchronous runs on the local runtime with the
-  ``hf`` generator, the in-process weight transport, no LoRA adapters and ``threads >= 2``
+  ``hf`` generator, the in-process weight transport, the built-in rollout (no
+  ``rollout.generate_fn``), no LoRA adapters and ``threads >= 2``
   (each process gets a core) that are long enough to repay the child's start-up
   (:data:`GENERATOR_PROCESS_MIN_STEPS`).
 - ``policy.compile_model`` (auto when the recipe's ``policy`` options do not name it): only
@@ -122,6 +123,8 @@ def _generator_process_auto(cfg: TrainerConfig) -> AutoChoice | None:
         why_not = f"generator {cfg.generator.type!r}: measured and tested only with 'hf'"
     elif cfg.weight_transport.type != "inprocess":
         why_not = f"weight_transport {cfg.weight_transport.type!r}: measured only with 'inprocess'"
+    elif cfg.rollout.generate_fn is not None:
+        why_not = "a custom rollout.generate_fn: measured only with the built-in rollout"
     elif cfg.policy.options.get("lora") is not None:
         why_not = "a LoRA policy: the generator process takes merged weights, not adapters"
     elif cfg.rl.steps < GENERATOR_PROCESS_MIN_STEPS:
