@@ -48,3 +48,46 @@ def test_generate_fn_returning_the_wrong_type(text_group, char_tokenizer):
     assert "a GenerateFn returns a list of Rollout" in stats.first["rollout_fn_invalid"].error
     with pytest.raises(RLError, match=r"^rollout.generate_fn: returned dict"):
         run(None)  # no stats to count in: the cause is raised
+
+
+def test_prompts_to_scored_groups_as_the_readme_shows():
+    """The README's round with a real (bigram) generator: n_samples rollouts per prompt, each
+    scored, the same tokens when the round is run again (derived seeds), and a reward that
+    fails on some rollouts counted, not raised."""
+    from rl_buffer import RewardStdFilter, Scorer, filter_groups
+    from rl_core.testing.fake_generator import FakeGenerator
+    from rl_core.types import Prompt
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    def reward(prompt, text, rollout):
+        if rollout.sample_id.endswith("/0"):
+            raise ValueError("judge offline")
+        return float(len(text.split()) % 2)
+
+    async def one_round(prompts):
+        stats = RolloutStats()
+        groups = await generate_groups(
+            prompts,
+            generator=FakeGenerator(),
+            tokenizer=Tok(),
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+            n_samples=4,
+            seed_parts=(0, "rl", 1),
+            policy_version=1,
+            stats=stats,
+        )
+        await Scorer(reward, Tok(), timeout_s=5.0).score(groups, stats)
+        stats.check("step 1")
+        tokens = [[r.tokens for r in g.rollouts] for g in groups]
+        return filter_groups(groups, [RewardStdFilter()], stats), stats, tokens
+
+    prompts = [Prompt(uid=f"p{i}", input="x", token_ids=(1, 2, 3 + i)) for i in range(3)]
+    kept, stats, tokens = asyncio.run(one_round(prompts))
+    assert stats.rollouts == 12 and stats.failed == {"reward_error": 3}
+    assert "judge offline" in stats.first["reward_error"].error
+    assert all(len(g.rollouts) == 3 for g in kept)  # the failed sample of each group is out
+    assert sum(stats.dropped.values()) + len(kept) == 3
+    assert asyncio.run(one_round(prompts))[2] == tokens
