@@ -255,6 +255,9 @@ def test_stop_strings_and_tool_calls_are_not_streamed_as_content(tok, text, stop
         c.function.name for c in full.choices[0].message.tool_calls or []
     ]
     assert streamed.tokens == plain.tokens and streamed.rollout_logprobs == plain.rollout_logprobs
+    if stop:  # both requests were aborted once the stop string was complete, not run to EOS
+        assert len(gen.aborted) == 2 and gen.finished == 0
+        assert tok.decode(list(streamed.tokens[streamed.response_start :])).endswith("STOP")
 
 
 def test_client_disconnect_mid_stream_aborts_and_records_nothing(tok):

@@ -45,7 +45,9 @@ reasoning is refused with HTTP 400 naming the field.
 Stop strings (OpenAI ``stop``, Anthropic ``stop_sequences``) are applied to the completion the
 engine returns (the engine stops on token ids only): the tokens are cut after the first token
 that completes a stop string (those are the tokens recorded and trained), and the text returned
-ends before the stop string.
+ends before the stop string. With a generator that streams and aborts (HFGenerator), the
+request is watched as it is generated and aborted once a stop string is complete, so the
+engine does not sample past it (the recorded tokens are the same cut ones).
 
 Disconnects. A client that disconnects while its completion is generated (streamed or not)
 aborts it (the engine's ``abort`` when it has one; otherwise the result is dropped) and the turn
@@ -473,14 +475,17 @@ class AgentServer:
             adapter=req.adapter,
         )
         live = None
-        if on_text is not None and not self._reasoning_open(text):
+        g = self.generator
+        early_stop = bool(req.stop) and g.streams_tokens and g.supports_abort
+        if on_text is not None or early_stop:
             live = _LiveText(
                 self.tokenizer,
-                on_text,
+                None if on_text is None or self._reasoning_open(text) else on_text,
                 prompt_tokens=len(ids),
                 ends=(*self.chat.format.triggers, *req.stop),
                 clean=self.chat._strip_specials,
                 holds=(*self.chat.format.triggers, *req.stop, *self.chat._specials),
+                stops=req.stop if early_stop else (),
             )
         try:
             result = await self._generate(gen_request, request, live)
@@ -566,10 +571,15 @@ class AgentServer:
         if live is None:
             (result,) = await self.generator.generate([gen_request])
             return result
-        final = None
+        final, aborted = None, False
         async for chunk in self.generator.generate_stream(gen_request):
             await live.feed(chunk.output_ids)
             final = chunk.result
+            if live.stop_seen and not aborted and final is None:
+                # A stop string is complete: the rest would be cut anyway (see _apply_stop).
+                aborted = True
+                with contextlib.suppress(NotImplementedError):
+                    await self.generator.abort([gen_request.request_id])
         if final is None:
             raise GenerationError(
                 f"{type(self.generator).__name__}.generate_stream ended without a result"
@@ -640,27 +650,38 @@ class _LiveText:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        sink: TextSink,
+        sink: TextSink | None,
         *,
         prompt_tokens: int,
         ends: Sequence[str],
         clean: Callable[[str], str],
         holds: Sequence[str],
+        stops: Sequence[str] = (),
     ) -> None:
         self.tokenizer, self.sink, self.prompt_tokens = tokenizer, sink, prompt_tokens
         self.ends, self.clean = tuple(e for e in ends if e), clean
         self.holds = tuple(h for h in holds if h)
+        self.stops = tuple(x for x in stops if x)
         self.ids: list[int] = []
         self.sent = ""
         """Text handed to the sink so far."""
-        self.stopped = False
+        self.stopped = self.sink is None
+        """No more content is sent (no sink, a trigger or stop string met, client gone)."""
+        self.stop_seen = False
+        """The text holds one of ``stops``: the generation may be aborted."""
 
     async def feed(self, ids: Sequence[int]) -> None:
-        """Take newly sampled ``ids`` and hand on the content they make surely known."""
+        """Take newly sampled ``ids`` and hand on the content they make surely known; note
+        when the text holds a stop string (:attr:`stop_seen`)."""
         self.ids.extend(ids)
-        if self.stopped or len(self.ids) < 2 or not ids:
+        watch = bool(self.stops) and not self.stop_seen
+        if (self.stopped and not watch) or len(self.ids) < 2 or not ids:
             return
         text = self.tokenizer.decode(self.ids[:-1], skip_special_tokens=False)
+        if watch and any(x in text for x in self.stops):
+            self.stop_seen = True
+        if self.stopped or self.sink is None:
+            return
         cut = len(text)
         for e in self.ends:
             i = text.find(e)
