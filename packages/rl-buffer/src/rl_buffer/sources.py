@@ -159,6 +159,7 @@ class FileSource(DataSource):
     shuffle and the exact cursor. Subclasses implement :meth:`_read_records`."""
 
     Config = SourceConfig
+    _keeps_token_ids = True  # the kept rows hold their ids (JsonlSource: re-encoded when drawn)
 
     def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -193,11 +194,14 @@ class FileSource(DataSource):
                 [text for _, text, _, _ in pending], [w for _, _, w, _ in pending]
             )
             for (r, _, where, locator), row_ids in zip(pending, ids):
-                r.token_ids = _checked_ids(row_ids, where)
-                if self.max_prompt_tokens is not None and len(r.token_ids) > self.max_prompt_tokens:
+                if not len(row_ids):
+                    _checked_ids(row_ids, where)  # raises: zero tokens
+                if self._keeps_token_ids:  # else only the length is needed here
+                    r.token_ids = _checked_ids(row_ids, where)
+                if self.max_prompt_tokens is not None and len(row_ids) > self.max_prompt_tokens:
                     self.num_dropped_too_long += 1
                     if len(too_long) < 5:
-                        too_long.append(f"{where} ({len(r.token_ids)} tokens)")
+                        too_long.append(f"{where} ({len(row_ids)} tokens)")
                     continue
                 self._keep(r, locator)
                 self._kept += 1
@@ -553,6 +557,8 @@ class JsonlSource(FileSource):
     @dataclass(kw_only=True, slots=True)
     class Config(SourceConfig):
         """Options of :class:`JsonlSource` (all from :class:`SourceConfig`)."""
+
+    _keeps_token_ids = False
 
     def __init__(self, config: SourceConfig, tokenizer: Tokenizer) -> None:
         self._offsets = array.array("q")  # byte offset of each kept record's line
