@@ -1,7 +1,7 @@
 """Watching an agent run (issue 33): what the sessions did (turns, tool calls, ill-formed calls,
 template mismatches, tool errors) is aggregated into each step's ``rollout/agent/*`` metrics and
 the report; ``rl-train show`` reads a rollout dump and shows a session turn by turn with its
-loss-mask regions."""
+loss-mask regions. (``agent_metrics`` itself is tested in packages/rl-buffer/tests/test_rollout.py.)"""
 
 from __future__ import annotations
 
@@ -11,46 +11,9 @@ import textwrap
 import pytest
 from rich.console import Console
 
-from rl_buffer.rollout import agent_metrics
-from rl_core.types import Rollout
 from rl_trainer.cli import main
 from rl_trainer.ops.report import build_figure
 from rl_trainer.show import mask_regions, show_samples
-
-
-def _rollout(rid: str, versions=(0, 0, 0), **meta) -> Rollout:
-    return Rollout(
-        prompt_uid="p",
-        rollout_id=rid,
-        sample_id=f"{rid}/{len(meta)}",
-        tokens=(1, 2, 3, 4),
-        response_start=1,
-        loss_mask=(1, 0, 1),
-        rollout_logprobs=(-0.1, 0.0, -0.1),
-        versions=versions,
-        metadata=meta,
-    )
-
-
-def test_agent_metrics_count_each_session_once():
-    counts = {"session_turns": 3, "tool_calls": 2, "ill_formed": 1, "template_mismatch": 0}
-    rs = [
-        _rollout("s1", **counts),
-        _rollout("s1", **counts, tool_errors=1),  # a fork of s1: the same session's counts
-        _rollout("s2", session_turns=1, tool_calls=0, ill_formed=0, template_mismatch=1),
-        # a weight update between its turns (the masked tool token's version does not count)
-        _rollout("s3", versions=(0, 1, 1), session_turns=2),
-        _rollout("s4", versions=(0, 1, 0), session_turns=2),
-    ]
-    m = agent_metrics(rs)
-    assert m["rollout/agent/sessions"] == 4
-    assert m["rollout/agent/turns"] == 8 and m["rollout/agent/turns_mean"] == 2.0
-    assert m["rollout/agent/tool_calls"] == 2 and m["rollout/agent/tool_calls_mean"] == 1.0
-    assert m["rollout/agent/ill_formed"] == 1 and m["rollout/agent/template_mismatch"] == 1
-    assert m["rollout/agent/trajectories_mean"] == 1.25
-    assert m["rollout/agent/multi_version"] == 1
-    assert "rollout/agent/tool_errors" not in m  # s1's first rollout stands for the session
-    assert agent_metrics([_rollout("x")]) == {}  # not an agent run: nothing new is logged
 
 
 def test_report_draws_the_agent_panel_only_for_agent_runs():

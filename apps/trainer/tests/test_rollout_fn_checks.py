@@ -1,23 +1,18 @@
 """Rollout functions (``rollout.generate_fn``) checked at load, and the per-sample seed a naive
 one gets (issue 31): a plain (not async) function is a ConfigError before any model is built,
-in ``check`` and ``run``; ``check`` calls it once and reports an empty or wrong return; a
-function that passes ``ctx.sampling`` to every ``ctx.generate`` samples differently per
-sample."""
+in ``check`` and ``run``; ``check`` calls it once and reports an empty or wrong return. (That a
+function passing ``ctx.sampling`` to every ``ctx.generate`` samples differently per sample is
+tested in packages/rl-buffer/tests/test_rollout.py.)"""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import textwrap
 
 import pytest
 import yaml
 
-from rl_buffer.rollout import generate_groups, rollout_from_result
 from rl_core.errors import ConfigError, RLError
-from rl_core.interfaces import RolloutContext
-from rl_core.testing.fake_generator import FakeGenerator
-from rl_core.types import Prompt, SamplingParams
 from rl_trainer.check import check_recipe
 from rl_trainer.config import load_trainer_config
 from rl_trainer.loop import Trainer
@@ -101,34 +96,3 @@ def test_a_good_rollout_function_passes_check(tmp_path, tiny_recipe_dict, rollou
     )
     report = check_recipe(_recipe(tmp_path, tiny_recipe_dict, "rf_good:solve"), rows=1)
     assert not [f for f in report.problems if f.where == "rollout.generate_fn"], report.findings
-
-
-def test_naive_rollout_function_samples_differently_per_sample():
-    """Every call passes ctx.sampling (the prompt's seed): the four samples still differ, and
-    the same run samples them again identically."""
-
-    async def naive(prompt, ctx: RolloutContext):
-        out = []
-        for k in range(ctx.n_samples):
-            res = await ctx.generate(prompt.token_ids, ctx.sampling, request_id=f"{prompt.uid}/{k}")
-            out.append(rollout_from_result(prompt, res, f"{prompt.uid}/{k}"))
-        return out
-
-    def run() -> list[tuple[int, ...]]:
-        (g,) = asyncio.run(
-            generate_groups(
-                [Prompt(uid="p0", input="x", token_ids=(1, 2, 3))],
-                generator=FakeGenerator(FakeGenerator.Config(vocab_size=32, eos_token_id=-1)),
-                tokenizer=None,
-                sampling=SamplingParams(temperature=1.0, max_new_tokens=8),
-                n_samples=4,
-                seed_parts=(0, "rl", 1, 0),
-                policy_version=0,
-                generate_fn=naive,
-            )
-        )
-        return [r.tokens[r.response_start :] for r in g.rollouts]
-
-    first = run()
-    assert len(set(first)) == 4, first
-    assert run() == first  # reproducible

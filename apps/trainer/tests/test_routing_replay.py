@@ -11,10 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rl_buffer.rollout import rollout_from_result
 from rl_core.config import load_config_file
 from rl_core.errors import ConfigError
-from rl_core.types import FinishReason, GenerationResult, Prompt
 from rl_trainer.cli import recipe_path
 from rl_trainer.config import load_trainer_config
 from rl_trainer.lifecycle.checkpoint import load_trainer_state
@@ -109,21 +107,6 @@ def test_start_up_check_names_the_field_and_the_fix() -> None:
     check_support("record", _NoRouting(), _Routing())
     with pytest.raises(ConfigError, match=r"supports_routing_replay = False.*record"):
         check_support("replay", _NoRouting(), _Routing())
-
-
-def test_rollout_from_result_keeps_the_routing() -> None:
-    prompt = Prompt(uid="p", input="x", token_ids=(5, 6, 7))
-    routed = torch.arange(5 * 2 * 2, dtype=torch.uint8).view(5, 2, 2)
-    res = GenerationResult(
-        request_id="p/0",
-        output_ids=(8, 9),
-        output_logprobs=(-0.1, -0.2),
-        finish_reason=FinishReason.STOP,
-        weight_version=0,
-        routed_experts=routed,
-    )
-    r = rollout_from_result(prompt, res, "p/0")
-    assert r.routed_experts is not None and torch.equal(r.routed_experts, routed)
 
 
 def test_resume_with_routing_in_the_buffer(tmp_path: Path) -> None:
