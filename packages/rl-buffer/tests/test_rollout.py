@@ -1,8 +1,9 @@
 """Turning prompts into groups (:mod:`rl_buffer.rollout`): stable per-sample seeds, a
 ``generate_fn`` that reuses ``ctx.sampling`` still samples differently per sample, a
 ``generate_fn`` that returns the wrong kind of value fails its prompt's rollouts (counted, or
-raised without stats), a result's routing kept on its rollout, agent sessions counted once, and
-a whole round (generate, score, filter) as the README shows it."""
+raised without stats), a prompt's LoRA adapter on its requests, a result's routing kept on
+its rollout, agent sessions counted once, and a whole round (generate, score, filter) as the
+README shows it."""
 
 from __future__ import annotations
 
@@ -177,3 +178,54 @@ def test_rollout_from_result_keeps_the_routing() -> None:
     )
     r = rollout_from_result(prompt, res, "p/0")
     assert r.routed_experts is not None and torch.equal(r.routed_experts, routed)
+
+
+def test_a_tagged_prompt_names_its_adapter_on_default_and_custom_requests() -> None:
+    """Both sampling paths put the prompt's adapter on the request: the default one and a
+    ``generate_fn`` using ``ctx.generate``."""
+    import asyncio
+
+    from rl_buffer.rollout import generate_groups, rollout_from_result
+    from rl_core.lora import SEQUENCE_ADAPTER_KEY
+    from rl_core.types import FinishReason, GenerationResult, Prompt, SamplingParams
+
+    class Recorder:
+        seen: list = []
+
+        async def generate(self, requests):
+            self.seen += [q.adapter for q in requests]
+            return [
+                GenerationResult(
+                    request_id=q.request_id,
+                    output_ids=(1,),
+                    output_logprobs=(0.0,),
+                    finish_reason=FinishReason.STOP,
+                    weight_version=0,
+                )
+                for q in requests
+            ]
+
+    async def custom(prompt, ctx):
+        res = await ctx.generate(prompt.token_ids, request_id=f"{prompt.uid}/0")
+        return [rollout_from_result(prompt, res, res.request_id)]
+
+    prompts = [
+        Prompt(uid=f"p{i}", input="x", token_ids=(3, 4), metadata={SEQUENCE_ADAPTER_KEY: a})
+        for i, a in enumerate(["critic", "solver"])
+    ]
+    for fn in (None, custom):
+        gen = Recorder()
+        gen.seen = []
+        asyncio.run(
+            generate_groups(
+                prompts,
+                generator=gen,
+                tokenizer=None,
+                sampling=SamplingParams(max_new_tokens=1),
+                n_samples=1,
+                seed_parts=(0,),
+                policy_version=0,
+                generate_fn=fn,
+            )
+        )
+        assert gen.seen == ["critic", "solver"]
