@@ -214,6 +214,16 @@ def test_responses_stream_sends_text_before_the_generation_ends(tok):
     [
         ("Sure thing. STOP and more text", ["STOP"], "Sure thing. "),
         (
+            "Adding now.  \n<tool_call>\n" + '{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+            None,
+            "Adding now.",
+        ),
+        (
+            "Adding <tool_call>\n" + '{"name": "add", "arguments": {}}\n</tool_call>\n then more',
+            None,
+            "Adding\nthen more",
+        ),
+        (
             "Adding now.<tool_call>\n" + '{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
             None,
             "Adding now.",

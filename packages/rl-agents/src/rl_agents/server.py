@@ -645,7 +645,7 @@ class _LiveText:
     content), and so is text from the first tool-call / reasoning trigger or stop string on
     (the rest of the content is known only once the completion is parsed), a tail that could
     begin a trigger, a stop string or a special token, and a tail that is an incomplete UTF-8
-    character."""
+    character, and trailing whitespace (dropped by the parser before a tool call)."""
 
     def __init__(
         self,
@@ -694,7 +694,8 @@ class _LiveText:
                     break
         while cut > 0 and text[cut - 1] == "\ufffd":
             cut -= 1
-        shown = self.clean(text[:cut])
+        # Trailing whitespace waits for what follows: a parser strips it before a tool call.
+        shown = self.clean(text[:cut]).rstrip()
         if not shown.strip() or not shown.startswith(self.sent) or len(shown) == len(self.sent):
             return
         delta, self.sent = shown[len(self.sent) :], shown

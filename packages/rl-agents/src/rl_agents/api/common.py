@@ -94,12 +94,15 @@ class Completion:
         return len(self.turn.result.output_ids)
 
     def content_rest(self) -> str:
-        """The content still to send after :attr:`streamed`: the rest of ``parsed.content``;
-        the whole content again in the corner case where parsing the finished text changed
-        what was streamed (a parser that trims text it took for content)."""
+        """The content still to send after :attr:`streamed`: the rest of ``parsed.content``.
+        A family's parser strips the text around a tool call, so leading whitespace streamed
+        before a call came may be missing from the content: the rest follows the stripped
+        text then (the client's text differs from the non-streamed one by that whitespace
+        only). The whole content again if parsing changed the text otherwise."""
         content = self.parsed.content or ""
-        if content.startswith(self.streamed):
-            return content[len(self.streamed) :]
+        for sent in (self.streamed, self.streamed.lstrip()):
+            if content.startswith(sent):
+                return content[len(sent) :]
         return content
 
 
