@@ -365,3 +365,97 @@ def test_streaming_through_a_resumable_generator_still_answers(tok):
     text, out = _serve(wrapped, tok, body)
     assert text == "Hello there, this streams "
     assert tok.decode(list(out)) == "Hello there, this streams one token"  # cut after the stop
+
+
+OPEN_THINKING_TEMPLATE = (  # ChatML whose generation prompt opens the reasoning (Qwen3-style)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+REASONED = "add 2 and 3, carefully\n</think>\n\nIt is 5, surely."
+CALLED = 'add them\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+
+
+def test_reasoning_streams_live_on_every_surface():
+    """A prompt that opens the reasoning: the reasoning streams as it is generated (before the
+    held last token) as reasoning_content / a thinking block / a reasoning item, then the
+    content; each surface assembles what it returns non-streamed; a Responses stream with a
+    function call after the reasoning ends with the call."""
+    tok = build_tokenizer()
+    tok.chat_template = OPEN_THINKING_TEMPLATE
+    gen = Gated(tok, REASONED)
+
+    async def body(server, oa, an):
+        out = {}
+        server.open_session("c", sampling=SAMPLING)
+        stream = await oa.chat.completions.create(
+            model="policy", messages=MESSAGES, stream=True, extra_headers={"X-Session-Id": "c"}
+        )
+        got, first = {"reasoning_content": "", "content": ""}, None
+        async for c in stream:
+            d = c.choices[0].delta.model_dump() if c.choices else {}
+            if d.get("reasoning_content") and first is None:
+                first = gen.finished
+                gen.gate.set()
+            for k in got:
+                got[k] += d.get(k) or ""
+        out["chat"] = (got, first)
+        gen.gate.clear()
+        server.open_session("a", sampling=SAMPLING)
+        first = None
+        async with an.messages.stream(
+            model="policy", max_tokens=64, messages=MESSAGES, extra_headers={"X-Session-Id": "a"}
+        ) as s:
+            async for e in s:
+                if e.type == "content_block_delta" and first is None:
+                    first = gen.finished
+                    gen.gate.set()
+            out["anthropic"] = (await s.get_final_message(), first)
+        gen.gate.clear()
+        server.open_session("r", sampling=SAMPLING)
+        stream = await oa.responses.create(
+            model="policy", input="hi", stream=True, extra_headers={"X-Session-Id": "r"}
+        )
+        first, events = None, []
+        async for e in stream:
+            if e.type == "response.reasoning_text.delta" and first is None:
+                first = gen.finished
+                gen.gate.set()
+            events.append(e)
+        out["responses"] = (events[-1].response, first)
+        gen.gated, gen.text = False, CALLED
+        server.open_session("f", sampling=SAMPLING)
+        tool = {"type": "function", "name": "add", "parameters": {"type": "object"}}
+        stream = await oa.responses.create(
+            model="policy",
+            input="hi",
+            stream=True,
+            tools=[tool],
+            extra_headers={"X-Session-Id": "f"},
+        )
+        out["call"] = [e async for e in stream][-1].response
+        gen.text = REASONED
+        server.open_session("p", sampling=SAMPLING)
+        out["plain"] = await oa.chat.completions.create(
+            model="policy", messages=MESSAGES, extra_headers={"X-Session-Id": "p"}
+        )
+        return out
+
+    out = _serve(gen, tok, body)
+    plain = out["plain"].choices[0].message.model_dump()
+    assert plain["reasoning_content"] == "add 2 and 3, carefully"
+    assert plain["content"] == "It is 5, surely."
+    got, first = out["chat"]
+    assert first == 0 and got == {k: plain[k] for k in got}
+    msg, first = out["anthropic"]
+    assert first == 1  # the chat request's generation had finished, this one had not
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == plain["reasoning_content"]
+    assert msg.content[1].text == plain["content"]
+    resp, first = out["responses"]
+    assert first == 2
+    assert [o.type for o in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == plain["reasoning_content"]
+    assert resp.output_text == plain["content"]
+    call = out["call"]
+    assert [o.type for o in call.output] == ["reasoning", "function_call"]
+    assert call.output[0].content[0].text == "add them" and call.output[1].name == "add"

@@ -60,9 +60,11 @@ ResumableGenerator, whose default stream yields the whole result once) content d
 as the tokens are sampled. Only text that is surely content goes out early: the last token is
 held back (it may be the stop token), so is the text from the family's first tool-call or
 reasoning trigger or a stop string on, a tail that could begin one of them or a special token,
-and an incomplete UTF-8 character; a completion whose prompt leaves reasoning open is sent once
-generated. The rest (reasoning, remaining content, tool calls) follows when the completion
-ends, in each API's events. The recorded tokens are those of the non-streamed completion for
+an incomplete UTF-8 character and trailing whitespace. When the prompt leaves a reasoning block
+open (Qwen3-style templates), the text up to ``</think>`` streams as reasoning
+(``reasoning_content``, a ``thinking`` block, a ``reasoning`` item), then the content. The rest
+(remaining reasoning and content, tool calls) follows when the completion ends, in each API's
+events. The recorded tokens are those of the non-streamed completion for
 the same seed.
 
 Prompt length. A request's prompt is refused with HTTP 400 ``context_length_exceeded`` naming
@@ -480,12 +482,13 @@ class AgentServer:
         if on_text is not None or early_stop:
             live = _LiveText(
                 self.tokenizer,
-                None if on_text is None or self._reasoning_open(text) else on_text,
+                on_text,
                 prompt_tokens=len(ids),
                 ends=(*self.chat.format.triggers, *req.stop),
                 clean=self.chat._strip_specials,
                 holds=(*self.chat.format.triggers, *req.stop, *self.chat._specials),
                 stops=req.stop if early_stop else (),
+                thinking=self._reasoning_open(text),
             )
         try:
             result = await self._generate(gen_request, request, live)
@@ -532,6 +535,7 @@ class AgentServer:
             finish=finish,
             stop_sequence=stop_at,
             streamed=live.sent if live is not None else "",
+            streamed_reasoning=live.sent_reasoning if live is not None else "",
         )
 
     def _reasoning_open(self, prompt_text: str) -> bool:
@@ -635,13 +639,15 @@ class AgentServer:
         return cut, hit(lo)
 
 
-TextSink = Callable[[str, int], Awaitable[None]]
-"""Where :meth:`AgentServer.complete` streams content: ``(text delta, prompt tokens)``."""
+TextSink = Callable[[str, int, bool], Awaitable[None]]
+"""Where :meth:`AgentServer.complete` streams text: ``(text delta, prompt tokens, is it
+reasoning)``."""
 
 
 class _LiveText:
-    """The content of a completion being generated, handed on as it grows. Only text that is
-    surely content is given: the last token is held (it may be the stop token, which is not
+    """The content (and the reasoning, when the prompt opened a reasoning block) of a
+    completion being generated, handed on as it grows. Only text that is surely content is
+    given: the last token is held (it may be the stop token, which is not
     content), and so is text from the first tool-call / reasoning trigger or stop string on
     (the rest of the content is known only once the completion is parsed), a tail that could
     begin a trigger, a stop string or a special token, and a tail that is an incomplete UTF-8
@@ -657,6 +663,7 @@ class _LiveText:
         clean: Callable[[str], str],
         holds: Sequence[str],
         stops: Sequence[str] = (),
+        thinking: bool = False,
     ) -> None:
         self.tokenizer, self.sink, self.prompt_tokens = tokenizer, sink, prompt_tokens
         self.ends, self.clean = tuple(e for e in ends if e), clean
@@ -669,6 +676,14 @@ class _LiveText:
         """No more content is sent (no sink, a trigger or stop string met, client gone)."""
         self.stop_seen = False
         """The text holds one of ``stops``: the generation may be aborted."""
+        self.thinking = thinking
+        """Still in a reasoning block the prompt opened (text goes out as reasoning)."""
+        self.sent_reasoning = ""
+        """Reasoning handed to the sink so far."""
+        self.offset = 0
+        """Where the content starts in the text (after the reasoning block)."""
+        self.after_trigger = False
+        """A reasoning block came first: the parser strips the content, so do we."""
 
     async def feed(self, ids: Sequence[int]) -> None:
         """Take newly sampled ``ids`` and hand on the content they make surely known; note
@@ -682,28 +697,58 @@ class _LiveText:
             self.stop_seen = True
         if self.stopped or self.sink is None:
             return
+        if self.thinking:  # the prompt opened the reasoning: it runs until </think>
+            close = text.find(_THINK_CLOSE)
+            seg = text if close < 0 else text[:close]
+            ends = tuple(e for e in self.ends if e != _THINK_CLOSE)
+            cut = self._cut(seg, ends, (_THINK_CLOSE, *self.holds))
+            await self._send(self.clean(seg[:cut]).strip(), reasoning=True)
+            if close < 0 or self.stopped:
+                return
+            self.thinking, self.offset, self.after_trigger = False, close + len(_THINK_CLOSE), True
+        text = text[self.offset :]
+        cut = self._cut(text, self.ends, self.holds)
+        # Trailing whitespace waits for what follows: a parser strips it before a tool call
+        # (and all of it around the content after a reasoning block).
+        shown = self.clean(text[:cut]).rstrip()
+        await self._send(shown.lstrip() if self.after_trigger else shown, reasoning=False)
+
+    def _cut(self, text: str, ends: Sequence[str], holds: Sequence[str]) -> int:
+        """How much of ``text`` is surely known: up to the first of ``ends`` (then no more is
+        sent), less a tail that could begin one of ``holds`` or is an incomplete character."""
         cut = len(text)
-        for e in self.ends:
+        for e in ends:
             i = text.find(e)
             if i >= 0:
                 cut, self.stopped = min(cut, i), True
-        for h in self.holds:
+        for h in holds:
             for k in range(min(len(h) - 1, len(text)), 0, -1):
                 if text.endswith(h[:k]):
                     cut = min(cut, len(text) - k)
                     break
         while cut > 0 and text[cut - 1] == "\ufffd":
             cut -= 1
-        # Trailing whitespace waits for what follows: a parser strips it before a tool call.
-        shown = self.clean(text[:cut]).rstrip()
-        if not shown.strip() or not shown.startswith(self.sent) or len(shown) == len(self.sent):
+        return cut
+
+    async def _send(self, shown: str, *, reasoning: bool) -> None:
+        """Hand the growth of ``shown`` (the whole text known so far of one kind) on."""
+        sent = self.sent_reasoning if reasoning else self.sent
+        if not shown.strip() or not shown.startswith(sent) or len(shown) == len(sent):
             return
-        delta, self.sent = shown[len(self.sent) :], shown
+        delta = shown[len(sent) :]
+        if reasoning:
+            self.sent_reasoning = shown
+        else:
+            self.sent = shown
         try:
-            await self.sink(delta, self.prompt_tokens)
+            assert self.sink is not None
+            await self.sink(delta, self.prompt_tokens, reasoning)
         except Exception:  # the client went away: stop sending, the generation is aborted
             self.stopped = True
 
+
+_THINK_CLOSE = "</think>"
+"""The end of a reasoning block (every family with reasoning writes ``<think>`` blocks)."""
 
 _DISCONNECT_POLL_S = 0.05
 """How often a request being generated checks that its client is still connected."""

@@ -22,8 +22,8 @@ from what the model wrote, reasoning included).
 
 Streaming sends ``message_start``, one ``content_block_start`` / ``_delta`` (``thinking_delta``,
 ``text_delta`` or ``input_json_delta``) / ``_stop`` per block, ``message_delta`` (stop reason,
-output tokens) and ``message_stop``. With a generator that streams, text is sent as it is
-generated (a text block at index 0, begun before the completion ends; see
+output tokens) and ``message_stop``. With a generator that streams, thinking and text are sent as they
+are generated (blocks begun before the completion ends, thinking first; see
 :class:`~rl_agents.server.AgentServer` for which text is sent early), the other blocks follow
 once it ends; an error met after the stream began is an ``error`` event. A tool call whose arguments are not a JSON object is returned with its value
 under ``input["value"]`` (Anthropic's ``input`` is always an object).
@@ -261,8 +261,9 @@ class _Stream:
         self.request, self.model = request, model
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.resp: web.StreamResponse | None = None
-        self.text_open = False
-        """A text block (index 0) was begun while generating."""
+        self.blocks: list[str] = []
+        """The kinds of the blocks begun while generating (``thinking``, ``text``), in order;
+        the last one is open."""
 
     async def _send(self, event: str, data: dict[str, Any]) -> None:
         assert self.resp is not None
@@ -289,15 +290,22 @@ class _Stream:
             await self._send("message_start", {"message": start})
         return self.resp
 
-    async def content(self, delta: str, prompt_tokens: int) -> None:
-        """Send text generated so far (the server's ``on_text``)."""
+    async def content(self, delta: str, prompt_tokens: int, reasoning: bool) -> None:
+        """Send text or thinking generated so far (the server's ``on_text``)."""
         await self._start(prompt_tokens)
-        if not self.text_open:
-            self.text_open = True
-            block = {"type": "text", "text": ""}
-            await self._send("content_block_start", {"index": 0, "content_block": block})
-        delta_ = {"type": "text_delta", "text": delta}
-        await self._send("content_block_delta", {"index": 0, "delta": delta_})
+        kind = "thinking" if reasoning else "text"
+        if not self.blocks or self.blocks[-1] != kind:
+            if self.blocks:
+                await self._send("content_block_stop", {"index": len(self.blocks) - 1})
+            self.blocks.append(kind)
+            head = {"type": "thinking", "thinking": "", "signature": ""} if reasoning else {}
+            head = head or {"type": "text", "text": ""}
+            await self._send(
+                "content_block_start", {"index": len(self.blocks) - 1, "content_block": head}
+            )
+        body = {"type": "thinking_delta", "thinking": delta} if reasoning else {}
+        body = body or {"type": "text_delta", "text": delta}
+        await self._send("content_block_delta", {"index": len(self.blocks) - 1, "delta": body})
 
     async def fail(self, e: HTTPError) -> web.StreamResponse:
         """End a begun stream with an ``error`` event."""
@@ -313,15 +321,23 @@ class _Stream:
         resp = await self._start(done.prompt_tokens)
         message = to_message(done, self.model, self.msg_id)
         blocks = message["content"]
-        i = 0
-        if self.text_open:
-            rest = done.content_rest()
-            if rest:
-                delta = {"type": "text_delta", "text": rest}
-                await self._send("content_block_delta", {"index": 0, "delta": delta})
-            await self._send("content_block_stop", {"index": 0})
-            blocks = [b for b in blocks if b["type"] != "text"]
-            i = 1
+        rests = {"thinking": done.reasoning_rest(), "text": done.content_rest()}
+        for i, kind in enumerate(self.blocks):  # finish the blocks begun while generating
+            if i == len(self.blocks) - 1 and rests[kind]:
+                key, delta_type = (
+                    ("thinking", "thinking_delta")
+                    if kind == "thinking"
+                    else (
+                        "text",
+                        "text_delta",
+                    )
+                )
+                delta = {"type": delta_type, key: rests[kind]}
+                await self._send("content_block_delta", {"index": i, "delta": delta})
+            if i == len(self.blocks) - 1:
+                await self._send("content_block_stop", {"index": i})
+        blocks = [b for b in blocks if b["type"] not in self.blocks]
+        i = len(self.blocks)
         for block in blocks:
             await self._block(i, block)
             i += 1

@@ -11,8 +11,8 @@ does not honour are refused with HTTP 400 naming the field, never ignored: ``n``
 non-zero ``presence_penalty`` / ``frequency_penalty``, ``top_logprobs`` > 0, ``functions`` /
 ``function_call``.
 
-Streaming (``stream: true``) sends server-sent events: the role, then content deltas as the
-generator samples them (a generator that streams, :attr:`~rl_core.interfaces.Generator.
+Streaming (``stream: true``) sends server-sent events: the role, then reasoning and content
+deltas as the generator samples them (a generator that streams, :attr:`~rl_core.interfaces.Generator.
 streams_tokens`; see :class:`~rl_agents.server.AgentServer` for which text is sent early), then
 the reasoning, the content not sent yet, tool-call deltas, the finish reason, an optional usage
 chunk and ``[DONE]``; what a client assembles equals the non-streamed response. An error met
@@ -212,10 +212,10 @@ class _Stream:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, **extra}
         await self.resp.write(sse({**self.head, "choices": [choice]}))
 
-    async def content(self, delta: str, prompt_tokens: int) -> None:
-        """Send content generated so far (the server's ``on_text``)."""
+    async def content(self, delta: str, prompt_tokens: int, reasoning: bool) -> None:
+        """Send content or reasoning generated so far (the server's ``on_text``)."""
         await self._start()
-        await self._send({"content": delta})
+        await self._send({"reasoning_content" if reasoning else "content": delta})
 
     async def fail(self, e: HTTPError) -> web.StreamResponse:
         """End a begun stream with an error event."""
@@ -230,7 +230,7 @@ class _Stream:
         usage and ``[DONE]``."""
         resp = await self._start()
         parsed = done.parsed
-        reasoning = parsed.reasoning or ""
+        reasoning = done.reasoning_rest()
         for i in range(0, len(reasoning), STREAM_PIECE_CHARS):
             await self._send({"reasoning_content": reasoning[i : i + STREAM_PIECE_CHARS]})
         content = done.content_rest()

@@ -93,6 +93,17 @@ class Completion:
         """Sampled tokens."""
         return len(self.turn.result.output_ids)
 
+    streamed_reasoning: str = ""
+    """Reasoning already sent while it was generated (a prefix of ``parsed.reasoning``)."""
+
+    def reasoning_rest(self) -> str:
+        """The reasoning still to send after :attr:`streamed_reasoning` (all of it again if
+        parsing changed what was streamed)."""
+        reasoning = self.parsed.reasoning or ""
+        if reasoning.startswith(self.streamed_reasoning):
+            return reasoning[len(self.streamed_reasoning) :]
+        return reasoning
+
     def content_rest(self) -> str:
         """The content still to send after :attr:`streamed`: the rest of ``parsed.content``.
         A family's parser strips the text around a tool call, so leading whitespace streamed
@@ -135,11 +146,11 @@ class Backend(Protocol):
         s: Session,
         req: ChatRequest,
         request: web.Request | None = None,
-        on_text: Callable[[str, int], Awaitable[None]] | None = None,
+        on_text: Callable[[str, int, bool], Awaitable[None]] | None = None,
     ) -> Completion:
         """Render, generate and record one completion of session ``s`` (aborted when the
-        client of ``request`` disconnects); content is handed to ``on_text`` (``(delta,
-        prompt tokens)``) as it is generated when given."""
+        client of ``request`` disconnects); content and reasoning are handed to ``on_text``
+        (``(delta, prompt tokens, is it reasoning)``) as they are generated when given."""
         ...
 
 

@@ -21,8 +21,8 @@ item (when there is text) and one ``function_call`` item per call; ``status`` is
 when the engine hit its length limit. Streaming: ``response.created``, ``response.in_progress``,
 per item ``response.output_item.added`` / reasoning, text or argument deltas / ``...done``
 events, then ``response.completed`` (or ``response.incomplete``). With a generator that
-streams, text is sent as it is generated (the message item at output index 0, begun before the
-completion ends; see :class:`~rl_agents.server.AgentServer` for which text is sent early), the
+streams, reasoning and text are sent as they are generated (the reasoning and message items
+first, begun before the completion ends; see :class:`~rl_agents.server.AgentServer` for which text is sent early), the
 other items follow once it ends; an error met after the stream began is an ``error`` event.
 """
 
@@ -306,16 +306,17 @@ async def handle(server: Backend, request: web.Request) -> web.StreamResponse:
 
 
 class _Stream:
-    """A streamed response: the events are sent as the completion is generated (the message
-    item first when text streams before the completion ends)."""
+    """A streamed response: the events are sent as the completion is generated (the items
+    begun while generating, reasoning then message, come first in the output)."""
 
     def __init__(self, request: web.Request, envelope: dict[str, Any]) -> None:
         self.request, self.envelope = request, envelope
         self.resp: web.StreamResponse | None = None
         self.seq = 0
-        self.msg_id = f"msg_{uuid.uuid4().hex}"
-        self.text_open = False
-        """The message item (output index 0) was begun while generating."""
+        self.items: list[tuple[str, str]] = []
+        """``(type, id)`` of the items begun while generating, in order; the last is open."""
+        self.texts: dict[str, str] = {"reasoning": "", "message": ""}
+        """The text streamed into each of them."""
 
     async def _send(self, event: str, data: dict[str, Any]) -> None:
         assert self.resp is not None
@@ -334,31 +335,79 @@ class _Stream:
             await self._send("response.in_progress", {"response": self.envelope})
         return self.resp
 
-    def _ids(self, n: int, item_id: str) -> dict[str, Any]:
-        return {"item_id": item_id, "output_index": n}
-
-    async def content(self, delta: str, prompt_tokens: int) -> None:
-        """Send text generated so far (the server's ``on_text``)."""
+    async def content(self, delta: str, prompt_tokens: int, reasoning: bool) -> None:
+        """Send text or reasoning generated so far (the server's ``on_text``)."""
         await self._start()
-        ids = self._ids(0, self.msg_id)
-        if not self.text_open:
-            self.text_open = True
-            item = {
-                "type": "message",
-                "id": self.msg_id,
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
+        kind = "reasoning" if reasoning else "message"
+        if not self.items or self.items[-1][0] != kind:
+            if self.items:
+                await self._close(len(self.items) - 1, self._item_of(*self.items[-1], None))
+            item_id = f"{'rs' if reasoning else 'msg'}_{uuid.uuid4().hex}"
+            self.items.append((kind, item_id))
+            n = len(self.items) - 1
+            ids = {"item_id": item_id, "output_index": n}
+            if reasoning:
+                item = {"type": "reasoning", "id": item_id, "summary": [], "content": []}
+            else:
+                item = {"type": "message", "id": item_id, "role": "assistant", "content": []}
+            item["status"] = "in_progress"
+            await self._send("response.output_item.added", {"output_index": n, "item": item})
+            if not reasoning:
+                part = {"type": "output_text", "text": "", "annotations": []}
+                await self._send(
+                    "response.content_part.added", {**ids, "content_index": 0, "part": part}
+                )
+        n, item_id = len(self.items) - 1, self.items[-1][1]
+        self.texts[kind] += delta
+        ids = {"item_id": item_id, "output_index": n, "content_index": 0}
+        if reasoning:
+            await self._send("response.reasoning_text.delta", {**ids, "delta": delta})
+        else:
+            await self._send("response.output_text.delta", {**ids, "delta": delta, "logprobs": []})
+
+    def _item_of(self, kind: str, item_id: str, final: dict[str, Any] | None) -> dict[str, Any]:
+        """The finished item of a streamed one: ``final``'s (the response's item of that type)
+        under the streamed id, or one holding the streamed text when the response has none."""
+        if final is not None:
+            return {**final, "id": item_id}
+        text = self.texts[kind]
+        if kind == "reasoning":
+            content = [{"type": "reasoning_text", "text": text}]
+            return {
+                "type": "reasoning",
+                "id": item_id,
+                "summary": [],
+                "content": content,
+                "status": "completed",
             }
-            await self._send("response.output_item.added", {"output_index": 0, "item": item})
-            part = {"type": "output_text", "text": "", "annotations": []}
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return {
+            "type": "message",
+            "id": item_id,
+            "status": "completed",
+            "role": "assistant",
+            "content": [part],
+        }
+
+    async def _close(self, n: int, item: dict[str, Any], rest: str = "") -> None:
+        """Finish streamed item ``n`` (``rest``: text not sent yet)."""
+        ids = {"item_id": item["id"], "output_index": n, "content_index": 0}
+        if item["type"] == "reasoning":
+            if rest:
+                await self._send("response.reasoning_text.delta", {**ids, "delta": rest})
+            text = item["content"][0]["text"]
+            await self._send("response.reasoning_text.done", {**ids, "text": text})
+        else:
+            if rest:
+                await self._send(
+                    "response.output_text.delta", {**ids, "delta": rest, "logprobs": []}
+                )
+            part = item["content"][0]
             await self._send(
-                "response.content_part.added", {**ids, "content_index": 0, "part": part}
+                "response.output_text.done", {**ids, "text": part["text"], "logprobs": []}
             )
-        await self._send(
-            "response.output_text.delta",
-            {**ids, "content_index": 0, "delta": delta, "logprobs": []},
-        )
+            await self._send("response.content_part.done", {**ids, "part": part})
+        await self._send("response.output_item.done", {"output_index": n, "item": item})
 
     async def fail(self, e: HTTPError) -> web.StreamResponse:
         """End a begun stream with an ``error`` event."""
@@ -369,39 +418,23 @@ class _Stream:
         return resp
 
     async def finish(self, response: dict[str, Any], done: Completion) -> web.StreamResponse:
-        """Send the rest: the streamed message's rest, each other output item, then
-        ``response.completed`` (or ``response.incomplete``)."""
+        """Send the rest: the open streamed item's rest, each other output item, then
+        ``response.completed`` (or ``response.incomplete``), its output in the streamed
+        order."""
         resp = await self._start()
-        output = list(response["output"])
-        if self.text_open:  # the streamed message is output item 0, under its streamed id
-            msg = next((o for o in output if o["type"] == "message"), None)
-            if msg is None:  # everything streamed was whitespace the parser dropped
-                part = {"type": "output_text", "text": done.streamed, "annotations": []}
-                msg = {"type": "message", "role": "assistant", "content": [part]}
-            else:
-                output.remove(msg)
-            msg = {**msg, "id": self.msg_id, "status": "completed"}
-            output.insert(0, msg)
-            response = {**response, "output": output}
-            ids = self._ids(0, self.msg_id)
-            rest = done.content_rest()
-            if rest:
-                await self._send(
-                    "response.output_text.delta",
-                    {**ids, "content_index": 0, "delta": rest, "logprobs": []},
-                )
-            part = msg["content"][0]
-            await self._send(
-                "response.output_text.done",
-                {**ids, "content_index": 0, "text": part["text"], "logprobs": []},
-            )
-            await self._send(
-                "response.content_part.done", {**ids, "content_index": 0, "part": part}
-            )
-            await self._send("response.output_item.done", {"output_index": 0, "item": msg})
-        for n, item in enumerate(output):
-            if not (self.text_open and n == 0):
-                await self._item(n, item)
+        rest_of = {"reasoning": done.reasoning_rest(), "message": done.content_rest()}
+        by_type = {o["type"]: o for o in response["output"] if o["type"] in rest_of}
+        streamed = []
+        for n, (kind, item_id) in enumerate(self.items):
+            item = self._item_of(kind, item_id, by_type.get(kind))
+            streamed.append(item)
+            if n == len(self.items) - 1:
+                await self._close(n, item, rest_of[kind])
+        kinds = {k for k, _ in self.items}
+        others = [o for o in response["output"] if o["type"] not in kinds]
+        response = {**response, "output": [*streamed, *others]}
+        for n, item in enumerate(others, start=len(streamed)):
+            await self._item(n, item)
         final = (
             "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         )
@@ -411,7 +444,7 @@ class _Stream:
 
     async def _item(self, n: int, item: dict[str, Any]) -> None:
         """One whole output item at index ``n``: added, its deltas, done."""
-        ids = self._ids(n, item["id"])
+        ids = {"item_id": item["id"], "output_index": n}
         if item["type"] == "reasoning":
             await self._send(
                 "response.output_item.added",
