@@ -676,6 +676,8 @@ class _LiveText:
         """No more content is sent (no sink, a trigger or stop string met, client gone)."""
         self.stop_seen = False
         """The text holds one of ``stops``: the generation may be aborted."""
+        self.decoded = 0
+        """Tokens decoded at the last look."""
         self.thinking = thinking
         """Still in a reasoning block the prompt opened (text goes out as reasoning)."""
         self.sent_reasoning = ""
@@ -692,6 +694,10 @@ class _LiveText:
         watch = bool(self.stops) and not self.stop_seen
         if (self.stopped and not watch) or len(self.ids) < 2 or not ids:
             return
+        n = len(self.ids) - 1
+        if n - self.decoded < max(1, n // _DECODE_EVERY):
+            return  # a long text is decoded anew every n/64 tokens, not every token
+        self.decoded = n
         text = self.tokenizer.decode(self.ids[:-1], skip_special_tokens=False)
         if watch and any(x in text for x in self.stops):
             self.stop_seen = True
@@ -746,6 +752,11 @@ class _LiveText:
         except Exception:  # the client went away: stop sending, the generation is aborted
             self.stopped = True
 
+
+_DECODE_EVERY = 64
+"""The text is decoded again once it grew by 1/64 of its tokens (every token for the first
+64): the whole text is decoded each time (exactly what the parser sees), so this bounds the
+cost of a long completion to a few hundred decodes instead of one per token."""
 
 _THINK_CLOSE = "</think>"
 """The end of a reasoning block (every family with reasoning writes ``<think>`` blocks)."""
