@@ -459,3 +459,63 @@ def test_reasoning_streams_live_on_every_surface():
     call = out["call"]
     assert [o.type for o in call.output] == ["reasoning", "function_call"]
     assert call.output[0].content[0].text == "add them" and call.output[1].name == "add"
+
+
+def test_long_streams_decode_a_bounded_number_of_times(tok):
+    """Streaming a 4000-token completion decodes its text a few hundred times, not once per
+    token (each decode is of the whole text), and still sends all of it."""
+    from rl_agents.server import _LiveText
+
+    calls = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            calls.append(len(ids))
+            return tok.decode(ids, **kw)
+
+    ids = tok.encode("streaming words " * 300, add_special_tokens=False)[:4000]
+    sent = []
+
+    async def sink(delta, prompt_tokens, reasoning):
+        sent.append(delta)
+
+    async def run():
+        live = _LiveText(
+            Counting(), sink, prompt_tokens=1, ends=("<tool_call>",), clean=str, holds=()
+        )
+        for i in ids:
+            await live.feed([i])
+
+    asyncio.run(run())
+    assert len(calls) < 400
+    assert "".join(sent) == tok.decode(ids[:-1]).rstrip()[: len("".join(sent))]
+    assert len("".join(sent)) > 0.95 * len(tok.decode(ids))
+
+
+def test_anthropic_stream_thinking_then_tool_use():
+    tok = build_tokenizer()
+    tok.chat_template = OPEN_THINKING_TEMPLATE
+    gen = Gated(tok, CALLED, gated=False)
+    tool = {"name": "add", "input_schema": {"type": "object"}}
+
+    async def body(server, oa, an):
+        server.open_session("s", sampling=SAMPLING)
+        async with an.messages.stream(
+            model="policy", max_tokens=64, messages=MESSAGES, tools=[tool]
+        ) as s:
+            streamed = await s.get_final_message()
+        server.open_session("t", sampling=SAMPLING)
+        full = await an.messages.create(
+            model="policy",
+            max_tokens=64,
+            messages=MESSAGES,
+            tools=[tool],
+            extra_headers={"X-Session-Id": "t"},
+        )
+        return streamed, full
+
+    streamed, full = _serve(gen, tok, body)
+    assert [b.type for b in streamed.content] == ["thinking", "tool_use"]
+    assert streamed.content[0].thinking == full.content[0].thinking == "add them"
+    assert streamed.content[1].input == full.content[1].input == {"a": 2}
+    assert streamed.stop_reason == full.stop_reason == "tool_use"
