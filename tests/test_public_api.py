@@ -75,6 +75,7 @@ def test_rl_core_surface_is_pinned():
         "Critic",
         "DataSource",
         "GenerateFn",
+        "GenerationChunk",
         "Generator",
         "GroupFilter",
         "GroupRewardFn",
