@@ -43,6 +43,7 @@ from rl_core.lora import LoRAConfig
 from rl_core.memory import trim_host_memory
 from rl_core.offload import Offloadable, OffloadConfig, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
+from rl_hf._allocator import MMAP_THRESHOLD_MAX, set_mmap_threshold
 from rl_hf._hf import enable_activation_checkpointing, hf_state_dict, token_logprobs
 from rl_hf._offload import training_state
 from rl_hf._policy_lora import PolicyLoRA
@@ -157,12 +158,27 @@ class HFPolicy(Offloadable, Policy):
         temporaries) to the system: glibc ``malloc_trim(0)`` on Linux, a no-op elsewhere
         (:mod:`rl_core.memory`). Values are unchanged; the process's RSS between steps drops
         to about the live state. ``false``: glibc keeps the freed memory for the next step."""
+        host_mmap_threshold: NonNegInt = 0
+        """When > 0 (e.g. 131072), glibc maps every host allocation of at least this many bytes
+        on its own and unmaps it when freed (``mallopt(M_MMAP_THRESHOLD)``, as
+        ``MALLOC_MMAP_THRESHOLD_`` in the environment; at most 32 MiB), set when the policy is
+        built, for the whole process: a step's large temporaries then leave the RSS as soon as
+        they are freed instead of piling up in glibc's heap, which lowers the step's peak, not
+        only the RSS between steps (SmolLM2-135M full fine-tuning, docs/performance.md §12),
+        at the cost of a page fault per fresh page (steps ~20% slower there). Values are
+        unchanged. 0 (default): glibc's own threshold. Linux with glibc only (a no-op
+        elsewhere)."""
 
         def __post_init__(self) -> None:
             OptimizerConfig.__post_init__(self)
             if self.compile_scope not in ("layers", "model"):
                 raise ConfigError(
                     f"policy.compile_scope: {self.compile_scope!r} is not 'layers' or 'model'."
+                )
+            if not 0 <= self.host_mmap_threshold <= MMAP_THRESHOLD_MAX:
+                raise ConfigError(
+                    f"policy.host_mmap_threshold: {self.host_mmap_threshold} is outside 0 (off) "
+                    f"to {MMAP_THRESHOLD_MAX} (glibc's largest); e.g. 131072."
                 )
             if self.adamw_impl not in ("foreach", "fused", "for_loop"):
                 raise ConfigError(
@@ -213,6 +229,8 @@ class HFPolicy(Offloadable, Policy):
             )
         self.device = torch.device(config.device)
         """Device of the model and optimizer state."""
+        if config.host_mmap_threshold:
+            set_mmap_threshold(config.host_mmap_threshold)
         model = load_for_training(path, getattr(torch, config.dtype), config.attn_implementation)
         self.model = model.to(self.device).eval()
         """The ``transformers`` causal LM (eval mode: dropout off)."""
