@@ -352,6 +352,31 @@ def test_tool_calls_parsed_in_the_configured_family(tok):
         EnvRollout.Config(env="t_adder", tool_format="llama")
 
 
+@pytest.mark.parametrize("family", ["llama3", "mistral", "deepseek", "glm", "kimi_k2"])
+def test_each_family_fixture_reaches_the_environment_as_calls(tok, family):
+    """The completions each family's own chat template renders (tests/fixtures/
+    chat_families.json) reach the environment as the expected calls under that
+    ``tool_format``, and as no call under the default."""
+    from pathlib import Path
+
+    case = json.loads((Path(__file__).parent / "fixtures" / "chat_families.json").read_text())[
+        "families"
+    ][family]
+    want = [(c["name"], c["arguments"]) for c in case["expected"]["tool_calls"]]
+    if family == "glm":  # arguments written as text; the loop has no tool schema to cast them
+        want = [(n, {k: str(v) for k, v in a.items()}) for n, a in want]
+    for fmt, expected in ((family, want), ("hermes", [])):
+        # the built-in tokenizer has no stop token in the fixture: a newline ends the turn
+        gen = Scripted(tok, [case["completion"] + "\n"])
+        fn = EnvRollout(EnvRollout.Config(env="t_feedback", tool_format=fmt, max_turns=1))
+        envs = _keep_envs(fn)
+        asyncio.run(fn(_prompt(tok), _ctx(gen, tok, max_new_tokens=512)))
+        (action,) = envs[0].actions
+        got = [(c.name, json.loads(c.arguments)) for c in action.tool_calls]
+        assert got == expected, (fmt, action.text)
+        assert fmt == "hermes" or not action.ill_formed_tool_call
+
+
 def test_end_reasons_max_turns_and_length(tok):
     """An episode the environment never ends stops after ``max_turns`` model turns, or when the
     token budget is full (the last request asked only for what was left)."""
