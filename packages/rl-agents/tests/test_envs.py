@@ -363,12 +363,14 @@ def test_each_family_fixture_reaches_the_environment_as_calls(tok, family):
         "families"
     ][family]
     want = [(c["name"], c["arguments"]) for c in case["expected"]["tool_calls"]]
-    if family == "glm":  # arguments written as text; the loop has no tool schema to cast them
-        want = [(n, {k: str(v) for k, v in a.items()}) for n, a in want]
     for fmt, expected in ((family, want), ("hermes", [])):
         # the built-in tokenizer has no stop token in the fixture: a newline ends the turn
         gen = Scripted(tok, [case["completion"] + "\n"])
-        fn = EnvRollout(EnvRollout.Config(env="t_feedback", tool_format=fmt, max_turns=1))
+        # GLM writes arguments as text: the tools' schemas (generate_fn.tools) cast them
+        config = EnvRollout.Config(
+            env="t_feedback", tool_format=fmt, max_turns=1, tools=case.get("tools")
+        )
+        fn = EnvRollout(config)
         envs = _keep_envs(fn)
         asyncio.run(fn(_prompt(tok), _ctx(gen, tok, max_new_tokens=512)))
         (action,) = envs[0].actions

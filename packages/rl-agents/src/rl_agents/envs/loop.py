@@ -119,6 +119,11 @@ class EnvRollout:
         ``qwen3_coder``, ``llama3``, ``mistral``, ``deepseek``, ``glm``, ``kimi_k2``); the
         policy's own family when it was trained to call tools in its format. Families whose
         calls are marked by special tokens are parsed from the text decoded with them."""
+        tools: list[dict[str, Any]] | None = None
+        """OpenAI tool definitions (``{type: function, function: {name, parameters}}``) of the
+        tools the environment offers: families that write arguments as text (``glm``,
+        ``qwen3_coder``) cast them to these schemas' types; ``None``: arguments written as
+        text stay strings."""
         sync_env: Literal["thread", "inline"] = "thread"
         """How plain (``def``) ``reset``/``step`` run: on a daemon thread per call, or on the
         event loop (instant steps only: a slow one stalls generation)."""
@@ -214,7 +219,7 @@ class EnvRollout:
         if result.finish_reason == FinishReason.STOP and ids:
             ids = ids[:-1]
         raw = tokenizer.decode(ids, skip_special_tokens=False)
-        return FAMILIES[c.tool_format].parse(raw, tools_enabled=c.parse_tool_calls)
+        return FAMILIES[c.tool_format].parse(raw, tools_enabled=c.parse_tool_calls, tools=c.tools)
 
     async def _episode(self, prompt: Prompt, ctx: RolloutContext, k: int) -> Rollout:
         c = self.config
