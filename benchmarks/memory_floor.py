@@ -24,15 +24,24 @@ step), ``no_trim`` (``trim_host_memory: false``: glibc keeps a step's freed memo
 ``no_trim_mmap`` (the same with ``MALLOC_MMAP_THRESHOLD_=131072``: large blocks are mmapped and
 unmapped when freed), ``chunked`` (``logprob_chunk_tokens: 1024``, the smollm2_math recipe's
 setting), ``chunked_ckpt`` (also ``activation_checkpointing``), ``chunked_ckpt_loop`` (also
-``adamw_impl: for_loop``: AdamW's temporaries one tensor at a time instead of all at once).
+``adamw_impl: for_loop``: AdamW's temporaries one tensor at a time instead of all at once),
+``lean`` (the same with ``logprob_chunk_tokens: 128``: a chunk's ``[C, V]`` logits, their
+log-softmax and their gradient are 25 MB each at SmolLM2's 49k vocabulary instead of 200 MB; a
+micro-batch here has under 1024 scored positions, so 1024 is one chunk), ``lean_mmap`` (``lean``
+with ``MALLOC_MMAP_THRESHOLD_=131072``), ``lean_policy_mmap`` (``lean`` with the policy's own
+``host_mmap_threshold: 131072``, the same allocator setting from the config: the lowest-memory
+setting), ``mmap_only`` (the defaults with ``host_mmap_threshold: 131072``).
 
 Models (``--model``): ``tiny`` (rl_hf's test model: hidden 64, 2 layers, byte vocabulary),
 ``smollm2-shape`` (SmolLM2-135M's shape with ``--layers`` layers and random weights; the default,
 4 layers), ``smollm2`` (the converted SmolLM2-135M-Instruct of ``make real-model``, in
 ``$RL_MODELS_HOME`` or ``~/.cache/rl-models``; 30 layers, minutes on a CPU).
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/memory_floor.py [--model smollm2]``; writes
-``benchmarks/results/memory_floor_<model>.json`` (or ``--out``). Not a test. Linux only (it reads
+Run: ``OMP_NUM_THREADS=1 python benchmarks/memory_floor.py [--model smollm2] [--configs a,b]``;
+writes ``benchmarks/results/memory_floor_<model>.json`` (or ``--out``), keeping the rows of
+configurations not run this time when the file was measured with the same model, batch, steps
+and threads (each row has its own ``load_average`` and ``measured`` time), so configurations can
+be measured one at a time on a busy machine. Not a test. Linux only (it reads
 ``/proc``).
 """
 
@@ -62,6 +71,24 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"logprob_chunk_tokens": 1024, "activation_checkpointing": True, "adamw_impl": "for_loop"},
         {},
     ),
+    "lean": (
+        {"logprob_chunk_tokens": 128, "activation_checkpointing": True, "adamw_impl": "for_loop"},
+        {},
+    ),
+    "lean_mmap": (
+        {"logprob_chunk_tokens": 128, "activation_checkpointing": True, "adamw_impl": "for_loop"},
+        {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    ),
+    "lean_policy_mmap": (
+        {
+            "logprob_chunk_tokens": 128,
+            "activation_checkpointing": True,
+            "adamw_impl": "for_loop",
+            "host_mmap_threshold": 131072,
+        },
+        {},
+    ),
+    "mmap_only": ({"host_mmap_threshold": 131072}, {}),
 }
 """Name -> (HFPolicy.Config overrides, environment variables of the process)."""
 
@@ -210,6 +237,8 @@ def main() -> None:
                 "policy": overrides,
                 "env": env,
                 **json.loads(proc.stdout.strip().splitlines()[-1]),
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             r = rows[name]
             print(
@@ -233,6 +262,14 @@ def main() -> None:
     }
     out = Path(args.out) if args.out else RESULTS / f"memory_floor_{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_file():  # keep the rows of configurations not run now, if measured alike
+        old = json.loads(out.read_text())
+        same = ("model", "layers", "batch", "steps", "threads")
+        if all(old.get(k) == result[k] for k in same):
+            result["configs"] = {
+                **{k: v for k, v in old.get("configs", {}).items() if k not in rows},
+                **rows,
+            }
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
