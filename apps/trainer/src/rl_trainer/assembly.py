@@ -41,7 +41,13 @@ from rl_trainer.build import (
     with_defaults,
 )
 from rl_trainer.config import TrainerConfig
-from rl_trainer.defaults import auto_choices, generator_process, policy_compile, use_inductor_cache
+from rl_trainer.defaults import (
+    auto_choices,
+    generator_process,
+    policy_compile,
+    thread_split,
+    use_inductor_cache,
+)
 from rl_trainer.ops.evaluation import EvalSet, build_eval_sets
 
 __all__ = [
@@ -53,7 +59,6 @@ __all__ = [
     "build_transports",
     "free_port",
     "report_auto_choices",
-    "thread_split",
 ]
 
 
@@ -312,27 +317,6 @@ def build_critic(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     if runtime is not None:
         return runtime.build_critic(spec)
     return registry.build("critic", spec, field="critic")
-
-
-def thread_split(cfg: TrainerConfig) -> tuple[int, int | None]:
-    """``(trainer, generator)`` torch threads of a run on the local runtime, from ``threads``
-    (the cores it may use); ``None``: the generator keeps its own setting.
-
-    - synchronous, one thread, or the ``ray`` runtime: ``(threads, None)``: nothing runs
-      beside the trainer (on Ray each actor has its own CPUs);
-    - ``rl.async_generation``, generator in this process: ``(threads, g)`` with
-      ``g = threads // 2``: the generating thread runs beside the trainer's threads, and
-      ``threads + threads`` oversubscribed the cores (demo, 2 threads: -15..20% per step);
-    - ``rl.async_generation`` with the generator process (``runtime.generator_process``, as
-      :func:`rl_trainer.defaults.generator_process` resolves it): ``(threads - g, g)``: each
-      process on cores of its own (demo and small, 2 threads: 1 + 1 beat 2 + 1 by 10-25%).
-
-    docs/performance.md has the measurements.
-    """
-    if cfg.runtime.type != "local" or not cfg.rl.async_generation or cfg.threads < 2:
-        return cfg.threads, None
-    g = cfg.threads // 2
-    return (cfg.threads - g if generator_process(cfg) else cfg.threads), g
 
 
 async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:

@@ -601,7 +601,7 @@ class TrainerConfig:
     """torch intra-op threads of the trainer process. With ``rl.async_generation`` on the
     local runtime the generator (``hf``) generates with half of them unless the recipe sets
     ``generator.threads``, and with ``runtime.generator_process`` the trainer keeps the other
-    half (``rl_trainer.assembly.thread_split``)."""
+    half (``rl_trainer.defaults.thread_split``)."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Where the components run: ``local`` (one process, the default) or ``ray``."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -48,6 +48,7 @@ __all__ = [
     "default_inductor_cache",
     "generator_process",
     "policy_compile",
+    "thread_split",
     "use_inductor_cache",
 ]
 
@@ -156,9 +157,7 @@ def generator_process(cfg: TrainerConfig) -> bool:
 
 
 def _trainer_threads(cfg: TrainerConfig) -> int:
-    """The trainer's torch threads (:func:`rl_trainer.assembly.thread_split`)."""
-    from rl_trainer.assembly import thread_split
-
+    """The trainer's torch threads (:func:`thread_split`)."""
     return thread_split(cfg)[0]
 
 
@@ -256,3 +255,24 @@ def auto_choices(
     env = os.environ if environ is None else environ
     found = [_generator_process_auto(cfg), _compile_auto(cfg), _inductor_auto(cfg, env)]
     return [c for c in found if c is not None]
+
+
+def thread_split(cfg: TrainerConfig) -> tuple[int, int | None]:
+    """``(trainer, generator)`` torch threads of a run on the local runtime, from ``threads``
+    (the cores it may use); ``None``: the generator keeps its own setting.
+
+    - synchronous, one thread, or the ``ray`` runtime: ``(threads, None)``: nothing runs
+      beside the trainer (on Ray each actor has its own CPUs);
+    - ``rl.async_generation``, generator in this process: ``(threads, g)`` with
+      ``g = threads // 2``: the generating thread runs beside the trainer's threads, and
+      ``threads + threads`` oversubscribed the cores (demo, 2 threads: -15..20% per step);
+    - ``rl.async_generation`` with the generator process (``runtime.generator_process``, as
+      :func:`rl_trainer.defaults.generator_process` resolves it): ``(threads - g, g)``: each
+      process on cores of its own (demo and small, 2 threads: 1 + 1 beat 2 + 1 by 10-25%).
+
+    docs/performance.md has the measurements.
+    """
+    if cfg.runtime.type != "local" or not cfg.rl.async_generation or cfg.threads < 2:
+        return cfg.threads, None
+    g = cfg.threads // 2
+    return (cfg.threads - g if generator_process(cfg) else cfg.threads), g

@@ -48,8 +48,9 @@ import torch
 from rl_buffer.failures import FailureLog
 from rl_core.config import to_dict
 from rl_core.interfaces import Critic, Generator, Policy, Tokenizer
-from rl_trainer.assembly import Components, assemble, thread_split
+from rl_trainer.assembly import Components, assemble
 from rl_trainer.config import TrainerConfig
+from rl_trainer.defaults import thread_split
 from rl_trainer.lifecycle import state as trainer_state
 from rl_trainer.lifecycle.checkpoint import run_dir_write_error
 from rl_trainer.lifecycle.resume_check import data_digest

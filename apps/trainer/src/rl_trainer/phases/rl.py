@@ -28,8 +28,8 @@ from rl_trainer.assembly import (
     build_generator,
     build_policy,
     build_transports,
-    thread_split,
 )
+from rl_trainer.defaults import thread_split
 from rl_trainer.lifecycle import state as checkpoints
 from rl_trainer.lifecycle.state import load_resumed_models
 from rl_trainer.ops import samples
