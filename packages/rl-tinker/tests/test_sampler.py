@@ -121,3 +121,44 @@ def test_generator_and_policy_samplers_agree(serve, tmp_path):
     for hf, pol in zip(out["hf"], out["policy"], strict=True):
         assert hf.tokens == pol.tokens
         np.testing.assert_allclose(hf.logprobs, pol.logprobs, rtol=0, atol=1e-4)
+
+
+def _sglang_python():
+    try:
+        from rl_sglang._cpu_support import default_python
+    except ImportError:
+        return None
+    py = default_python()
+    return py if py.exists() else None
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.skipif(_sglang_python() is None, reason="SGLang's venv (~/.cache/rl-sglang) absent")
+def test_sglang_sampler_serves_pinned_snapshots_per_request(serve, tmp_path):
+    """``sampler: sglang``: a real CPU SGLang server launched with LoRA serving; a snapshot is a
+    LoRA adapter loaded by name and picked per request. Sampled log-probs equal the training
+    client's forward at the snapshot's version (1e-3, another kernel); after more training
+    the pinned sampler's samples still score as that version, not the trained-on one."""
+    svc = serve(
+        sampler="sglang",
+        sglang={"log_dir": str(tmp_path / "sglang-logs"), "server_args": {"log_level": "warning"}},
+    )
+    sc = tinker.ServiceClient(base_url=svc.url)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, train_unembed=False).result()
+    tok = tc.get_tokenizer()
+    _train(tc, tok, 2, lr=0.05)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = tok.encode("the quick")
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
+    assert len(svc.service._bases["tiny"].generator.loaded) == 1
+    for seq in res.sequences:
+        fwd = _forward_logprobs(tc, prompt, seq.tokens)
+        np.testing.assert_allclose(seq.logprobs, fwd, rtol=0, atol=1e-3)
+    _train(tc, tok, 3, lr=0.5)
+    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    pinned = sampler.compute_logprobs(types.ModelInput.from_ints([*prompt, *seq.tokens])).result()
+    np.testing.assert_allclose(seq.logprobs, pinned[len(prompt) :], rtol=0, atol=1e-3)
+    moved = _forward_logprobs(tc, prompt, seq.tokens)
+    assert np.abs(moved - np.asarray(seq.logprobs)).max() > 1e-2

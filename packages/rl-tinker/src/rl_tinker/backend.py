@@ -206,6 +206,8 @@ class BaseModel:
         device: str = "cpu",
         max_sampler_slots: int = 4,
         sampler: str = "hf",
+        sampler_options: Mapping[str, Any] | None = None,
+        adapter_dir: str | Path | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -264,8 +266,20 @@ class BaseModel:
                 device=device,
                 max_slots=max_sampler_slots,
             )
+        elif sampler == "sglang":
+            from rl_tinker.sampler import SGLangSampler
+
+            if adapter_dir is None:
+                raise ConfigError("sampler sglang: needs adapter_dir (the service passes one).")
+            self.generator = SGLangSampler(
+                str(self.path),
+                self.tokenizer,
+                adapter_dir=str(adapter_dir),
+                max_slots=max_sampler_slots,
+                options=dict(sampler_options or {}),
+            )
         elif sampler != "policy":
-            raise ConfigError(f"sampler: unknown {sampler!r}; use 'hf' or 'policy'.")
+            raise ConfigError(f"sampler: unknown {sampler!r}; use 'hf', 'policy' or 'sglang'.")
 
     # adapters -------------------------------------------------------------------------------
 
@@ -633,7 +647,7 @@ class BaseModel:
         return slot
 
     def close(self) -> None:
-        """Stop the generator (``sampler="hf"``)."""
+        """Stop the generator (``sampler="hf"`` or ``"sglang"``)."""
         if self.generator is not None:
             self.generator.close()
             self.generator = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from rl_core.config import Range
 
@@ -40,12 +40,20 @@ class ServiceConfig:
     """Training clients the whole service holds; more is answered 400."""
     max_queued_per_model: Annotated[int, Range(ge=1)] = 64
     """Operations a training client may have submitted and not finished; more is answered 400."""
-    sampler: Literal["hf", "policy"] = "hf"
+    sampler: Literal["hf", "policy", "sglang"] = "hf"
     """What serves ``sample``: ``hf``, rl-hf's ``HFGenerator`` in process (batched KV-cache
     decoding on a module tree that shares the base model's weights; each sampler snapshot a
     named LoRA adapter of it, loaded adapter-only and picked per request); ``policy``, the
-    service's own token-by-token loop on the training peft model (no generator). Prompt
-    log-probs (``compute_logprobs``) are a forward of the training model either way."""
+    service's own token-by-token loop on the training peft model (no generator); ``sglang``,
+    rl-sglang's ``SGLangGenerator`` (servers launched with LoRA serving, each snapshot a
+    LoRA adapter written under ``state_dir/sglang-adapters`` and loaded by name; ``sglang``
+    sets its options). Prompt log-probs (``compute_logprobs``) are a forward of the training
+    model in every case."""
+    sglang: dict[str, Any] = field(default_factory=dict)
+    """With ``sampler: sglang``: ``SGLangGenerator.Config`` fields (``python``, ``server_urls``,
+    ``max_lora_rank`` (default 64), ``lora_target_modules`` (default the attention and MLP
+    projections; tenants must not train the LM head then: ``train_unembed=False``),
+    ``server_args``, ...); ``model_path`` is the base model's directory."""
     max_sampler_slots: Annotated[int, Range(ge=1)] = 4
     """Sampler snapshots kept loaded per base model (least recently used dropped; with
     ``sampler: hf`` per LoRA shape, the slot then reused by the next snapshot)."""

@@ -61,9 +61,23 @@ async def _listen(service: TinkerService) -> tuple[Any, int]:
     return runner, port
 
 
+def _preload(service: TinkerService) -> None:
+    """With ``sampler: sglang`` load every base model (and launch its SGLang servers, a minute
+    or more) before listening: inside a client's first request the launch would outlast the
+    SDK's request timeout."""
+    if service.config.sampler == "sglang":
+        try:
+            for name in service.config.models:
+                service.base(name)
+        except BaseException:
+            service.close()
+            raise
+
+
 def start(config: ServiceConfig) -> RunningService:
     """Start a service in a daemon thread and return once it listens."""
     service = TinkerService(config)
+    _preload(service)
     loop = asyncio.new_event_loop()
     ready: dict[str, Any] = {}
     started = threading.Event()
@@ -91,6 +105,7 @@ def start(config: ServiceConfig) -> RunningService:
 def serve_forever(config: ServiceConfig) -> None:
     """Run a service in the foreground until interrupted."""
     service = TinkerService(config)
+    _preload(service)
 
     async def main() -> None:
         runner, port = await _listen(service)

@@ -144,6 +144,8 @@ class TinkerService:
                 device=self.config.device,
                 max_sampler_slots=self.config.max_sampler_slots,
                 sampler=self.config.sampler,
+                sampler_options=self.config.sglang,
+                adapter_dir=Path(self.config.state_dir).expanduser() / "sglang-adapters" / key,
             )
         return self._bases[key]
 
