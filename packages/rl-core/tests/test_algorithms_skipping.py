@@ -108,6 +108,9 @@ def test_the_weights_must_be_the_whole_steps() -> None:
 def test_all_free_keeps_the_shortest_so_the_optimizer_still_steps() -> None:
     assert sequences_to_train([True, True, True], [7, 3, 3]) == [1]
     assert sequences_to_train([], []) == []
+    # data-parallel ranks each need a sequence: top up with the shortest free ones
+    assert sequences_to_train([True, False, True, True], [5, 9, 2, 4], min_keep=3) == [1, 2, 3]
+    assert sequences_to_train([True, True], [5, 2], min_keep=4) == [0, 1]
     with pytest.raises(ValueError, match="2 flags for 1 sequences"):
         sequences_to_train([True, False], [4])
 

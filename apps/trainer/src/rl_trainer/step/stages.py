@@ -460,7 +460,9 @@ def _without_gradient_free(
         return batch
     free = zero_advantage_sequences(batch.advantages, batch.loss_mask, batch.cu_seqlens)
     lens = batch.cu_seqlens.diff().tolist()
-    keep = sequences_to_train(free, lens)
+    # every data-parallel rank needs a sequence (its collectives run with the others')
+    dp = int(getattr(run.models.policy, "data_parallel_size", 1))
+    keep = sequences_to_train(free, lens, min_keep=max(1, dp))
     if len(keep) == len(rollouts):
         if metrics is not None:
             metrics.update({"train/skipped_samples_frac": 0.0, "train/skipped_tokens_frac": 0.0})

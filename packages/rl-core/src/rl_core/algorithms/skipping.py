@@ -108,14 +108,20 @@ def metrics_over_trained(metrics: dict[str, float], kept_weight: float) -> dict[
     }
 
 
-def sequences_to_train(gradient_free: Sequence[bool], seq_lens: Sequence[int]) -> list[int]:
-    """Indices of the sequences to keep, in their order: every one that gives gradient, or,
-    when none does, the single shortest (so the optimizer still takes its step)."""
+def sequences_to_train(
+    gradient_free: Sequence[bool], seq_lens: Sequence[int], *, min_keep: int = 1
+) -> list[int]:
+    """Indices of the sequences to keep, in their order: every one that gives gradient, topped
+    up with the shortest gradient-free ones to at least ``min_keep`` (so the optimizer still
+    takes its step, and each of ``min_keep`` data-parallel ranks gets a sequence; a
+    gradient-free sequence adds nothing to the update)."""
     if len(gradient_free) != len(seq_lens):
         raise ValueError(
             f"sequences_to_train: {len(gradient_free)} flags for {len(seq_lens)} sequences."
         )
     keep = [i for i, free in enumerate(gradient_free) if not free]
-    if keep or not seq_lens:
-        return keep
-    return [min(range(len(seq_lens)), key=lambda i: (seq_lens[i], i))]
+    missing = min(min_keep, len(seq_lens)) - len(keep)
+    if missing > 0:
+        free = sorted((i for i, f in enumerate(gradient_free) if f), key=lambda i: (seq_lens[i], i))
+        keep = sorted(keep + free[:missing])
+    return keep
