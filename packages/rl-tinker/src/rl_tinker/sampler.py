@@ -394,7 +394,7 @@ class SGLangSampler:
         stop_strs: Sequence[str],
         seed: int | None,
     ) -> list[tuple[list[int], list[float], str]]:
-        """As :meth:`GeneratorSampler.sample`, on the SGLang servers."""
+        """As :meth:`~rl_tinker.sampler.GeneratorSampler.sample`, on the SGLang servers."""
         if max_tokens < 1:
             return [([], [], "length") for _ in range(num_samples)]
         reqs = _requests(
