@@ -14,6 +14,10 @@ Parts (``--part``, default all):
 - ``cookbook``: tinker-cookbook's supervised.train (its example conversations, 2 epochs) and
   rl.train on our LettersTask (``--rl-steps``), unmodified against the service; writes their
   curves (NLL per step, mean reward per step). Needs tinker-cookbook importable.
+- ``sampler``: in process, ``BaseModel.sample`` of one trained snapshot (``--samples``
+  continuations of ``--sample-tokens`` tokens, temperature 1, stop ids only) with each
+  ``sampler`` (``policy``: the service's own loop; ``hf``: rl-hf's HFGenerator): median seconds,
+  and the bytes of the generator's tensors that are NOT the base model's (0: shared weights).
 
 Model: ``--model tiny`` (built here) or ``--model smollm2`` (the converted SmolLM2-135M-Instruct
 under ``~/.cache/rl-models``, ``rl-train convert --smollm2``). Writes
@@ -241,10 +245,61 @@ def part_cookbook(model: Path, work: Path, rl_steps: int, sl_epochs: int) -> dic
     }
 
 
+def part_sampler(model: Path, reps: int, samples: int, tokens: int) -> dict[str, Any]:
+    """Sampling seconds per ``sampler`` kind and the generator's own tensor bytes."""
+    import numpy as np
+    import torch
+    from rl_tinker.backend import BaseModel, LoraSpec
+
+    out: dict[str, Any] = {"samples": samples, "tokens": tokens, "reps": reps}
+    for kind in ("policy", "hf"):
+        base = BaseModel("base", model, sampler=kind)
+        tenant = base.new_tenant("m", LoraSpec(rank=8))
+        with torch.no_grad():
+            for _, p in tenant.params:
+                p.add_(torch.randn_like(p) * 0.01)
+        prompt = np.asarray(base.tokenizer.encode("Once upon a time"), dtype=np.int64)
+        weights = ("snap", tenant.lora, tenant.state_tensors())
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            base.sample(
+                prompt,
+                weights=weights,
+                num_samples=samples,
+                max_tokens=tokens,
+                temperature=1.0,
+                top_k=-1,
+                top_p=1.0,
+                stop=[],
+                seed=r,
+                prompt_logprobs=False,
+            )
+            times.append(time.perf_counter() - t0)
+        out[f"{kind}_sample_s"] = statistics.median(times[1:])
+        if base.generator is not None:
+            own = {t.data_ptr() for t in (*base.model.parameters(), *base.model.buffers())}
+            gen = base.generator.generator.model
+            out["generator_own_base_bytes"] = sum(
+                t.numel() * t.element_size()
+                for n, t in (*gen.named_parameters(), *gen.named_buffers())
+                if ".lora_" not in n and t.data_ptr() not in own
+            )
+            out["base_bytes"] = sum(
+                t.numel() * t.element_size()
+                for n, t in base.model.named_parameters()
+                if ".lora_" not in n
+            )
+            base.close()
+    return out
+
+
 def main() -> None:
     """Parse the options, run the parts, write the results file."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["all", "tenants", "overhead", "cookbook"], default="all")
+    p.add_argument(
+        "--part", choices=["all", "tenants", "overhead", "cookbook", "sampler"], default="all"
+    )
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
@@ -253,6 +308,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--rl-steps", type=int, default=12)
     p.add_argument("--sl-epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--sample-tokens", type=int, default=32)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "service.json"))
     args = p.parse_args()
     os.environ.setdefault("TINKER_API_KEY", "tml-local-benchmark")
@@ -272,6 +329,9 @@ def main() -> None:
         if args.part in ("all", "cookbook"):
             out["cookbook"] = part_cookbook(model, work, args.rl_steps, args.sl_epochs)
             print("cookbook", out["cookbook"], flush=True)
+        if args.part in ("all", "sampler"):
+            out["sampler"] = part_sampler(model, 3, args.samples, args.sample_tokens)
+            print("sampler", out["sampler"], flush=True)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     write_results(Path(args.out), out, load)
 
