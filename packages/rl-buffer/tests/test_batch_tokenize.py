@@ -145,7 +145,7 @@ def test_batched_ids_equal_per_record_encode(tmp_path, fast_tokenizer, chat, mon
         else:
             texts.append(inp)
     add = not chat
-    batch_ids = real(fast_tokenizer)(texts, add)
+    batch_ids = [e.ids for e in real(fast_tokenizer)(texts, add)]
     assert batch_ids == [fast_tokenizer.encode(t, add_special_tokens=add) for t in texts]
     assert [tuple(x) for x in batch_ids] == [ids_by_row[r] for r in sorted(ids_by_row)]
 

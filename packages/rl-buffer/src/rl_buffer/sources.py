@@ -197,7 +197,7 @@ class FileSource(DataSource):
                 if not len(row_ids):
                     _checked_ids(row_ids, where)  # raises: zero tokens
                 if self._keeps_token_ids:  # else only the length is needed here
-                    r.token_ids = _checked_ids(row_ids, where)
+                    r.token_ids = _checked_ids(_ids(row_ids), where)
                 if self.max_prompt_tokens is not None and len(row_ids) > self.max_prompt_tokens:
                     self.num_dropped_too_long += 1
                     if len(too_long) < 5:
@@ -313,7 +313,7 @@ class FileSource(DataSource):
         if prepared is None:
             return None
         r, text = prepared
-        r.token_ids = _checked_ids(self._encode_many([text], [where])[0], where)
+        r.token_ids = _checked_ids(_ids(self._encode_many([text], [where])[0]), where)
         return r
 
     def _prepare(self, row: int, where: str, record: Any) -> tuple[_Row, str] | None:
@@ -411,8 +411,10 @@ class FileSource(DataSource):
             )
         return text
 
-    def _encode_many(self, texts: list[str], wheres: list[str]) -> list[Sequence[int]]:
-        """Token ids of every text, exactly as ``tokenizer.encode`` gives them one at a time:
+    def _encode_many(self, texts: list[str], wheres: list[str]) -> list[Any]:
+        """Every text encoded, with exactly the ids ``tokenizer.encode`` gives one at a time
+        (an ``Encoding`` of the batch encoder or ``encode()``'s list: read them with
+        :func:`_ids`; ``len()`` is the number of tokens of both):
         one call to the tokenizer's fast backend when :func:`_batch_encoder` proved it the same
         (and the first batch checked it), else one ``encode`` per text."""
         add = self._add_special_tokens
@@ -423,7 +425,7 @@ class FileSource(DataSource):
                 out = None
             if out is not None and not self._batch_checked:
                 n = min(len(texts), _CHECK_ROWS)
-                if [list(x) for x in out[:n]] != [
+                if [_ids(x) for x in out[:n]] != [
                     self._encode(t, w, add) for t, w in zip(texts[:n], wheres[:n])
                 ]:
                     logger.warning(
@@ -684,6 +686,13 @@ _CHECK_ROWS = 64
 """Records of the first batch also encoded one at a time, to check the batch gives their ids."""
 
 
+def _ids(encoded: Any) -> Sequence[int]:
+    """The ids of what :meth:`FileSource._encode_many` gave: a batch encoder's ``Encoding`` or
+    ``encode()``'s list."""
+    ids = getattr(encoded, "ids", None)
+    return encoded if ids is None else ids
+
+
 def _checked_ids(ids: Sequence[int], where: str) -> tuple[int, ...]:
     """``ids`` as a tuple of ints, or :class:`DataError` when there are none."""
     out = tuple(map(int, ids))
@@ -692,9 +701,10 @@ def _checked_ids(ids: Sequence[int], where: str) -> tuple[int, ...]:
     return out
 
 
-def _batch_encoder(tokenizer: Any) -> Callable[[list[str], bool], list[list[int]]] | None:
+def _batch_encoder(tokenizer: Any) -> Callable[[list[str], bool], list[Any]] | None:
     """A function encoding a batch of texts with a Hugging Face fast tokenizer's backend, giving
-    exactly ``tokenizer.encode(text, add_special_tokens=...)`` for each; ``None`` when that cannot
+    for each text an ``Encoding`` whose ``ids`` are exactly ``tokenizer.encode(text,
+    add_special_tokens=...)`` (and whose ``len()`` is their number); ``None`` when that cannot
     be shown from the tokenizer (not a fast tokenizer, an ``encode`` overridden, truncation or
     padding set on the backend), and the source then encodes one record at a time.
 
@@ -726,8 +736,8 @@ def _batch_encoder(tokenizer: Any) -> Callable[[list[str], bool], list[list[int]
     # encode_batch_fast: the same ids without computing character offsets (tokenizers >= 0.21)
     batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
 
-    def encode(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+    def encode(texts: list[str], add_special_tokens: bool) -> list[Any]:
+        return batch(texts, add_special_tokens=add_special_tokens)
 
     return encode
 
