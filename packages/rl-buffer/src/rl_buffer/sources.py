@@ -9,7 +9,9 @@ is the whole state, so resuming is exact. Parquet and ``datasets`` sources keep 
 memory; :class:`JsonlSource` keeps only an index (byte offset, length, line and row of each kept
 record: 28 bytes a row) and reads, parses and tokenizes a record again when it is drawn, so a
 file of millions of rows costs megabytes, not gigabytes (the file must not change while the
-source reads it; a change is a ``DataError``)::
+source reads it; a change is a ``DataError``). While reading, prompts are tokenized 1024 at a time
+through a Hugging Face fast tokenizer's backend where that provably gives ``tokenizer.encode``'s
+ids (see ``_batch_encoder``), else one ``encode`` per record::
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     src = JsonlSource(JsonlSource.Config(path="data/math.jsonl@[0:1000]",
