@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rl_core.errors import CheckpointError, ConfigError
+from rl_tinker.errors import UserError
 
 __all__ = [
     "LORA_ALPHA",
@@ -35,7 +36,6 @@ __all__ = [
     "LoraSpec",
     "SampleResult",
     "Tenant",
-    "UserError",
 ]
 
 LORA_ALPHA = 32
@@ -43,11 +43,6 @@ LORA_ALPHA = 32
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-class UserError(ConfigError):
-    """A request the service cannot run as asked (unknown loss, missing input, bad shape):
-    answered as a failed future (category ``user``) or a 4xx, never a crash of the service."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -356,7 +356,7 @@ class SGLangSampler:
             UserError: the snapshot's rank or targets are not ones the servers accept.
         """
         from rl_core.lora import LoRAConfig, save_adapter
-        from rl_tinker.backend import UserError
+        from rl_tinker.errors import UserError
 
         if key in self._slots:
             self._slots.move_to_end(key)

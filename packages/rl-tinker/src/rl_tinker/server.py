@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from rl_core.errors import CheckpointError, ConfigError, RLError
-from rl_tinker.backend import BaseModel, DatumInput, LoraSpec, Tenant, UserError
+from rl_tinker.backend import BaseModel, DatumInput, LoraSpec, Tenant
 from rl_tinker.config import ServiceConfig
+from rl_tinker.errors import UserError
 
 __all__ = ["TinkerService"]
 
