@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rl_core.algorithms.skipping import WEIGHTED_MEAN_METRICS
 from rl_core.errors import RLError
 from rl_core.types import Group, Rollout, TrainBatch
 from rl_trainer.step.packing import loss_weights, plan
@@ -125,28 +126,12 @@ def mini_batches(
     return out
 
 
-PER_TOKEN_METRICS = (
-    "entropy",
-    "kl",
-    "ppo_kl",
-    "mismatch",
-    "pg_clipfrac",
-    "pg_clipfrac_lower",
-    "opsm_clipfrac",
-    "tis_weight_mean",
-    "tis_clipfrac",
-    "tis_veto_frac",
-)
-"""Loss metrics that are per-token means: the losses report them as ``sum_t x_t w_t`` with the
-loss weights ``w``, which sum to 1 under ``token`` aggregation but to ``tokens / (constant *
-sequences)`` under ``constant`` (Dr.GRPO); :func:`per_token_means` divides by that sum."""
-
-
 def per_token_means(
     record: dict[str, float], batch: TrainBatch, aggregation: str
 ) -> dict[str, float]:
-    """``record`` (one ``train_step``'s metrics on ``batch``) with the :data:`PER_TOKEN_METRICS`
-    as per-token means: under ``aggregation: constant`` every loss token weighs the same
+    """``record`` (one ``train_step``'s metrics on ``batch``) with the loss-weighted means
+    (:data:`rl_core.algorithms.skipping.WEIGHTED_MEAN_METRICS`) as per-token means (the losses
+    report them as ``sum_t x_t w_t``): under ``aggregation: constant`` every loss token weighs the same
     ``1 / (constant * sequences)``, so dividing the weighted sum by the weights' sum gives the
     plain mean over the loss tokens; other aggregations are returned unchanged."""
     if aggregation != "constant":
@@ -154,7 +139,7 @@ def per_token_means(
     total = float((batch.loss_weights.double() * batch.loss_mask.double()).sum())
     if total <= 0:
         return record
-    return {k: (v / total if k in PER_TOKEN_METRICS else v) for k, v in record.items()}
+    return {k: (v / total if k in WEIGHTED_MEAN_METRICS else v) for k, v in record.items()}
 
 
 def _mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:

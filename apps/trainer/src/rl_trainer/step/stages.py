@@ -512,7 +512,9 @@ def train(run: RunState, groups: Sequence[Group]) -> dict[str, Any]:
     # one optimizer step, or rl.ppo_epochs x rl.mini_batches_per_step (metrics: their means)
     m, cm, n_updates = ppo_updates.optimize(run.config, run.models, run.parts, batch, groups)
     kept_weight = stage_record.pop("_kept_weight", None)
-    if kept_weight is not None and kept_weight > 0:
+    # under `constant` aggregation optimize() already divides the per-token metrics by the
+    # trained batch's weight sum (ppo_updates.per_token_means): means over the trained tokens
+    if kept_weight and run.config.algorithm.aggregation != "constant":
         m = metrics_over_trained(m, kept_weight)
     critic_record: dict[str, Any] = {}
     if cm is not None:
