@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rl_core.config import ComponentSpec
-from rl_trainer.assembly import build_policy, report_auto_choices, thread_split
+from rl_trainer.assembly import build_policy, report_auto_choices
 from rl_trainer.cli import recipe_path
 from rl_trainer.config import load_trainer_config
 from rl_trainer.defaults import (
@@ -22,6 +22,7 @@ from rl_trainer.defaults import (
     compile_min_steps,
     generator_process,
     policy_compile,
+    thread_split,
     use_inductor_cache,
 )
 from rl_trainer.loop import Trainer
@@ -155,6 +156,10 @@ def test_the_run_says_what_it_chose() -> None:
     line = out.getvalue()
     assert line.startswith("rl-train: chosen for this run: runtime.generator_process: True")
     assert "policy.compile_model: True (rl.steps 1000 >= 600" in line
+    # a run whose choices keep the plain behaviour (a short synchronous run) prints nothing
+    quiet = io.StringIO()
+    report_auto_choices(_cfg("rl.steps=2"), file=quiet)
+    assert quiet.getvalue() == ""
 
 
 def _trim_run(tiny_recipe_dict, run_dir, trim: bool, calls: list[int], monkeypatch):

@@ -165,9 +165,11 @@ def assemble(cfg: TrainerConfig) -> Components:
 
 
 def report_auto_choices(cfg: TrainerConfig, file: Any = None) -> None:
-    """Print the settings chosen for the run because the recipe left them open
-    (:func:`rl_trainer.defaults.auto_choices`) as the run's first line on stderr (or ``file``)."""
-    choices = auto_choices(cfg)
+    """Print the settings the run turns on because the recipe left them open
+    (:func:`rl_trainer.defaults.auto_choices`: the generator process, compilation, the inductor
+    cache) as the run's first line on stderr (or ``file``); a choice that keeps the plain
+    behaviour (off) is not announced on every run (``rl-train check`` lists every choice)."""
+    choices = [c for c in auto_choices(cfg) if c.value not in (False, None)]
     if choices:
         lines = "; ".join(c.line() for c in choices)
         print(f"rl-train: chosen for this run: {lines}", file=file or sys.stderr, flush=True)
