@@ -70,6 +70,9 @@ def run_case(plan: str, cap: int, steps: int, work: Path) -> dict[str, Any]:
     rec["sft"]["steps"] = 0
     rec["rl"]["steps"] = steps
     rec["rl"]["max_tokens_per_micro_batch"] = cap
+    # whole GRPO groups: the zero-advantage skip would leave some samples out and change what
+    # is planned (this measures the planner, not the skip)
+    rec["rl"]["skip_zero_advantage"] = False
     rec["eval"] = {"every": 0}
     rec["checkpoint"] = {"every": 0, "keep": 1}
     rec["logging"] = {"tensorboard": False, "progress": False}
