@@ -13,7 +13,7 @@ Every mode writes ``OUT`` (JSON): the eval curve ``[{step, reward, exact, train_
 ``train_s`` is wall time since the RL phase started minus the time spent in evaluation, the
 number of samples and response tokens trained on, and the RL phase's wall and eval seconds.
 Evaluation is the same code in every mode: greedy decoding of the held-out prompts with
-``rl_hf.HFGenerator`` and the task's reward, averaged as ``Trainer.evaluate`` does.
+``rl_hf.HFGenerator`` and the task's reward, averaged as ``rl_trainer.phases.eval.evaluate`` does.
 """
 
 from __future__ import annotations
@@ -175,19 +175,28 @@ def run_ours(settings: dict[str, Any], out: str, *, sft_only: bool = False) -> N
             rec["runtime"] = {"type": "ray", "num_cpus": 2, "layout": "disaggregated"}
             rec["weight_transport"] = {"type": "disk_full"}
     clock = _Clock()
+    # Time every evaluation: the RL phase calls ``rl_trainer.phases.eval.evaluate`` through its
+    # module (``evaluation.evaluate``), so wrapping the module's function books each eval on the
+    # clock (the trainer has no eval hook; ``Trainer.evaluate`` went with the phase split).
+    from rl_trainer.phases import eval as evaluation
 
-    class TimedTrainer(Trainer):
-        """The trainer with its evaluations timed and recorded."""
+    inner = evaluation.evaluate
 
-        async def evaluate(self, step: int) -> dict[str, float]:
-            """Time ``Trainer.evaluate`` and book it on the clock."""
-            begun = clock.begin()
-            m = await super().evaluate(step)
-            clock.record(step, begun, m)
-            return m
+    async def timed_evaluate(run: Any, step: int, **kw: Any) -> dict[str, float]:
+        begun = clock.begin()
+        m = await inner(run, step, **kw)
+        clock.record(step, begun, m)
+        return m
+
+    evaluation.evaluate = timed_evaluate
 
     t_wall = time.perf_counter()
-    trainer = TimedTrainer(load_trainer_config(rec))
+    cfg = load_trainer_config(rec)
+    from rl_trainer.defaults import auto_choices
+
+    # What the trainer chose where the recipe left it open (generator process, compile, cache).
+    chosen = {c.field: c.value for c in auto_choices(cfg, dict(os.environ))}
+    trainer = Trainer(cfg)
     records = trainer.run()
     rl = [r for r in records if r.get("phase") == "rl" and r.get("step", 0) > 0]
     samples = sum(int(r["rollout/groups_kept"]) * settings["n_samples"] for r in rl)
@@ -211,6 +220,7 @@ def run_ours(settings: dict[str, Any], out: str, *, sft_only: bool = False) -> N
             "process_wall_s": time.perf_counter() - t_wall,
             "perf_sums_s": perf,
             "train_reward_mean": [r.get("rollout/reward_mean") for r in rl],
+            "auto_choices": chosen,
         },
     )
 
@@ -219,7 +229,7 @@ def run_ours(settings: dict[str, Any], out: str, *, sft_only: bool = False) -> N
 
 
 class HeldOutEval:
-    """Greedy held-out eval exactly as ``Trainer.evaluate`` does it, on a copy of the weights."""
+    """Greedy held-out eval exactly as ``rl_trainer.phases.eval.evaluate`` does it, on a copy of the weights."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         from rl_buffer.scoring import Scorer
@@ -238,7 +248,7 @@ class HeldOutEval:
         self.prompts = src.next_prompts(len(src))
         self.scorer = Scorer(ReverseTask(ReverseTask.Config()), self.tokenizer)
         self.seed = settings["seed"]
-        # As Trainer.evaluate: greedy, other fields from the run's rollout sampling.
+        # As the trainer's eval: greedy, other fields from the run's rollout sampling.
         from rl_trainer.config import EvalConfig, SamplingConfig
 
         train = SamplingConfig(
