@@ -147,18 +147,23 @@ def _write(out: str, payload: dict[str, Any]) -> None:
 
 def run_ours(settings: dict[str, Any], out: str, *, sft_only: bool = False) -> None:
     """Our trainer: the SFT warm-up (``sft_only``) or the RL phase from the SFT checkpoint."""
+    import shutil
+
     from rl_trainer.config import load_trainer_config
     from rl_trainer.loop import Trainer
 
     work = Path(settings["work_dir"])
+    name = (
+        "sft"
+        if sft_only
+        else settings.get("run_name") or ("ours_async" if settings["async"] else "ours_sync")
+    )
+    # Every benchmark run starts afresh: the trainer refuses a run dir holding another run.
+    if (work / name).exists():
+        shutil.rmtree(work / name)
     if sft_only:
         rec = _recipe(settings, work / "sft", **{"sft.steps": settings["sft_steps"], "rl.steps": 0})
     else:
-        name = settings.get("run_name") or ("ours_async" if settings["async"] else "ours_sync")
-        if (work / name).exists():
-            import shutil
-
-            shutil.rmtree(work / name)
         rec = _recipe(
             settings,
             work / name,

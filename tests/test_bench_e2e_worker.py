@@ -31,6 +31,8 @@ def test_sft_and_two_rl_steps_record_the_eval_curve_and_the_chosen_defaults(tmp_
         "async": False,
     }
     worker.run_ours(base, str(tmp_path / "sft.json"), sft_only=True)
+    # A second benchmark run in the same work dir starts afresh (not "holds an earlier run").
+    worker.run_ours(base, str(tmp_path / "sft.json"), sft_only=True)
     sft = json.loads((tmp_path / "sft.json").read_text())
     assert [c["step"] for c in sft["curve"]] == [0]
     worker.run_ours({**base, "run_name": "rl"}, str(tmp_path / "rl.json"))
