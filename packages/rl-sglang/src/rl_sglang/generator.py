@@ -90,7 +90,7 @@ from rl_sglang._launch import (
 from rl_sglang._lora import LoRARegistry
 from rl_sglang._requests import RequestDispatcher
 from rl_sglang._routing import RoutingLayout, check_servable
-from rl_sglang._weights import WeightUpdater, memory_tags
+from rl_sglang._weights import TENSOR_PUSH_MODES, WeightUpdater, memory_tags
 from rl_sglang.server import ManagedProcess, ServerArgs
 
 __all__ = ["PAUSE_MODES", "SGLangGenerator"]
@@ -213,6 +213,12 @@ class SGLangGenerator(Generator):
         enable_memory_saver: bool = False
         """Launch with ``--enable-memory-saver`` so :meth:`release_memory` /
         :meth:`resume_memory` can free the GPU for a colocated trainer (CUDA only)."""
+        tensor_push: str = "auto"
+        """How :meth:`load_weights` (the ``inprocess`` transport's path) sends tensors: ``file``
+        writes one safetensors file in a private ``/dev/shm`` directory that the servers load
+        (about a second for SmolLM2-135M; the servers must see this host's filesystem),
+        ``inline`` pickles them into the HTTP body (works across hosts, ~25x slower), ``auto``:
+        ``file`` when every server URL is a loopback address, else ``inline``."""
 
         def __post_init__(self) -> None:
             if not self.server_urls and not self.model_path:
@@ -229,6 +235,11 @@ class SGLangGenerator(Generator):
                 raise ConfigError(
                     f"SGLangGenerator.Config.pause_mode: {self.pause_mode!r} is not one of "
                     f"{PAUSE_MODES}."
+                )
+            if self.tensor_push not in TENSOR_PUSH_MODES:
+                raise ConfigError(
+                    f"SGLangGenerator.Config.tensor_push: {self.tensor_push!r} is not one of "
+                    f"{TENSOR_PUSH_MODES}."
                 )
             if self.device not in ("cpu", "cuda"):
                 raise ConfigError(
@@ -417,6 +428,7 @@ class SGLangGenerator(Generator):
             fleet=fleet,
             version=c.initial_version,
             base_model=c.model_path or str(info.get("model_path")),
+            tensor_push=c.tensor_push,
         )
         self._lora = LoRARegistry(
             io=self._io,
@@ -675,6 +687,7 @@ class SGLangGenerator(Generator):
                 )
         self._fleet.closed = True
         await asyncio.to_thread(self._finalizer)
+        self._weights.close()
 
     def __repr__(self) -> str:
         return f"SGLangGenerator(servers={self.server_urls}, version={self.weight_version})"
