@@ -155,7 +155,9 @@ def test_ignore_eos_mode_refuses_stop_ids(attach: Callable[..., SGLangGenerator]
     assert ok.finish_reason == FinishReason.LENGTH and len(ok.output_ids) == 4
 
 
-@pytest.mark.parametrize("path", ["disk_full", "disk_delta", "tensor", "collective"])
+@pytest.mark.parametrize(
+    "path", ["disk_full", "disk_delta", "tensor", "tensor_inline", "collective"]
+)
 def test_weight_update_paths_serve_exact_version(
     path: str,
     attach: Callable[..., SGLangGenerator],
@@ -167,8 +169,10 @@ def test_weight_update_paths_serve_exact_version(
 ) -> None:
     """Two successive updates through each path: after each, the server's teacher-forced
     log-probs equal transformers' on exactly the published weights, the server reports the
-    version, and generations carry it. A replayed update is refused and changes nothing."""
-    gen = attach()
+    version, and generations carry it. A replayed update is refused and changes nothing.
+    ``tensor`` pushes by file (the server is on 127.0.0.1), ``tensor_inline`` in the HTTP body."""
+    gen = attach(tensor_push="inline") if path == "tensor_inline" else attach()
+    assert gen._weights.pushes_by_file() == (path != "tensor_inline")
     if path == "disk_full":
         transport: Any = DiskFullTransport(
             DiskFullTransport.Config(directory=tmp_path / "sync", assets_dir=tiny_model)
@@ -181,7 +185,7 @@ def test_weight_update_paths_serve_exact_version(
                 base_checkpoint=tiny_model,
             )
         )
-    elif path == "tensor":
+    elif path in ("tensor", "tensor_inline"):
         transport = InMemoryTransport()
     else:
         transport = SGLangCollectiveTransport(SGLangCollectiveTransport.Config(backend="gloo"))
