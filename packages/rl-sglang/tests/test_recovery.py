@@ -1,6 +1,8 @@
 """Crash recovery on the session server (runs after the other server tests): kill the server
 process mid-rollout; every request still completes, the restarted server serves the current
-weights and version. This is the one test that starts a second SGLang server."""
+weights and version. This is the one test that starts a second SGLang server. The weights are
+pushed as tensors (the ``inprocess`` transport's path): the restarted server re-syncs from the
+staged safetensors file of that push (``tensor_push`` ``file``)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from typing import Any
 
 import torch
 
+from rl_core.testing.generator import InMemoryTransport
 from rl_core.types import GenerationRequest, SamplingParams
 from rl_sglang import SGLangGenerator
-from rl_weightsync.disk_full import DiskFullTransport
 
 SESSION_SERVER_LAST = True
 """Runs after the other modules on the session server (it kills and restarts that server)."""
@@ -26,11 +28,8 @@ def test_killed_server_restarts_resyncs_and_requests_complete(
     base_weights: dict[str, torch.Tensor],
     perturbed: Any,
     fp: Any,
-    tmp_path: Path,
 ) -> None:
-    transport = DiskFullTransport(
-        DiskFullTransport.Config(directory=tmp_path / "sync", assets_dir=tiny_model)
-    )
+    transport = InMemoryTransport()
     version = owner.weight_version + 1
     update = transport.publish(version, perturbed(base_weights, 99).items())
     asyncio.run(owner.update_weights(update, transport))
