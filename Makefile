@@ -89,6 +89,8 @@ real-model: setup
 demo: setup
 	$(BIN)/rl-train run demo --overwrite
 
+# Every test ends after 10 minutes (pytest-timeout, root pyproject.toml): a hang prints every
+# thread's stack and fails the run instead of blocking CI; `pytest --timeout=0` turns it off.
 test: setup sglang-env real-model
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not long" --durations=25
