@@ -116,6 +116,7 @@ def test_batched_ids_equal_per_record_encode(tmp_path, fast_tokenizer, chat, mon
 
     monkeypatch.setattr(sources_mod, "_batch_encoder", spy)
     monkeypatch.setattr(sources_mod, "_ENCODE_BATCH", 256)  # several batches and a partial one
+    monkeypatch.setattr(sources_mod, "_length_bound", lambda tok: None)  # encode every row
     batched = JsonlSource(cfg, fast_tokenizer)
     assert sum(calls) == batched.num_records - batched.num_dropped_unknown_role
     assert max(calls) == 256 and len(calls) > 2
@@ -175,6 +176,7 @@ def test_a_batch_that_differs_falls_back_to_per_record(tmp_path, hf_tokenizer, m
     monkeypatch.setattr(
         sources_mod, "_batch_encoder", lambda tok: lambda texts, add: [[7] for _ in texts]
     )
+    monkeypatch.setattr(sources_mod, "_length_bound", lambda tok: None)  # encode every row
     with caplog.at_level(logging.WARNING, logger="rl_buffer.sources"):
         src = JsonlSource(cfg, hf_tokenizer)
     assert "batch encoding differs" in caplog.text
@@ -197,3 +199,154 @@ def test_errors_in_a_batch_name_the_first_bad_record(tmp_path, hf_tokenizer):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=r"d\.jsonl:4: the tokenizer failed"):
         JsonlSource(JsonlSource.Config(path=str(path)), hf_tokenizer)
+
+
+# -- prompts proven short enough are not tokenized while indexing ------------------------------
+
+BOUND_TEXTS = [*TEXTS, "", " ", "<|im_start|>", "<s>", "<s><s> <|im_end|>", "bad \ud800", "é" * 7]
+
+
+def _nfc_tokenizer():
+    """The BPE tokenizer with a Unicode normalizer (NFC), as Qwen2's."""
+    from tokenizers import normalizers
+
+    tok = _bpe_tokenizer()
+    tok.backend_tokenizer.normalizer = normalizers.NFC()
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "nfc"])
+def test_length_bound_is_an_upper_bound(hf_tokenizer, kind):
+    """Where the bound is known, encode() gives between 1 and that many tokens, with and without
+    special tokens (the BPE one adds a BOS); it is unknown only for empty text, a lone surrogate
+    and, under a normalizer, non-ASCII text; the byte tokenizer meets it exactly on ASCII."""
+    tok = {"byte": lambda: hf_tokenizer, "bpe": _bpe_tokenizer, "nfc": _nfc_tokenizer}[kind]()
+    bound = sources_mod._length_bound(tok)
+    assert bound is not None
+    assert bound.specials == (1 if kind != "byte" else 0)
+    for add in (True, False):
+        for text in BOUND_TEXTS:
+            n = bound.max_tokens(text, add)
+            unknown = text == "" or "\ud800" in text or (kind == "nfc" and not text.isascii())
+            assert (n is None) == unknown, (kind, text)
+            if n is not None:
+                got = len(tok.encode(text, add_special_tokens=add))
+                assert 1 <= got <= n, (kind, text, add, got, n)
+                if kind == "byte" and "<|" not in text:
+                    assert got == n
+
+
+def test_length_bound_needs_a_known_structure(hf_tokenizer, char_tokenizer):
+    """No bound for a plain tokenizer, a non-Unicode normalizer, a prefix space added by the
+    pre-tokenizer, a model other than BPE, or a vocabulary missing byte symbols."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    assert sources_mod._length_bound(char_tokenizer) is None
+    lower = _bpe_tokenizer()
+    lower.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert sources_mod._length_bound(lower) is None
+    prefix = _bpe_tokenizer()
+    prefix.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert sources_mod._length_bound(prefix) is None
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    for model in (
+        models.WordLevel({s: i for i, s in enumerate(alphabet)}, unk_token=alphabet[0]),
+        models.BPE({s: i for i, s in enumerate(alphabet[:200])}, []),  # 56 bytes missing
+    ):
+        core = Tokenizer(model)
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        assert sources_mod._length_bound(PreTrainedTokenizerFast(tokenizer_object=core)) is None
+    assert sources_mod._length_bound(hf_tokenizer) is not None
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "nfc"])
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("limit", [100, None])
+def test_bounded_prompts_skip_encoding_with_the_same_draws(
+    tmp_path, hf_tokenizer, monkeypatch, kind, chat, limit
+):
+    """A source that encodes only the prompts whose bound exceeds the limit keeps exactly the
+    prompts (counts, rows, draws) of one that encodes every prompt; at 100 tokens some prompts are
+    over the bound but within the limit (kept after encoding) and some over it (dropped)."""
+    tok = {"byte": lambda: hf_tokenizer, "bpe": _bpe_tokenizer, "nfc": _nfc_tokenizer}[kind]()
+    path = _write(tmp_path / "d.jsonl", 150)
+    cfg = JsonlSource.Config(path=str(path), apply_chat_template=chat, max_prompt_tokens=limit)
+    encoded: list[str] = []
+    real = JsonlSource._encode_many
+
+    def spy(self, texts, wheres):
+        encoded.extend(texts)
+        return real(self, texts, wheres)
+
+    monkeypatch.setattr(JsonlSource, "_encode_many", spy)
+    if not chat:
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if '"role"' not in ln]
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    fast = JsonlSource(cfg, tok)
+    n_encoded = len(encoded)
+    monkeypatch.setattr(sources_mod, "_length_bound", lambda t: None)
+    encoded.clear()
+    every = JsonlSource(cfg, tok)
+    assert len(encoded) == every.num_records  # the reference encodes every prompt
+    assert n_encoded < every.num_records and (n_encoded > 0 or limit is None)
+    if limit == 100:
+        assert every.num_dropped_too_long > 0
+        if kind == "bpe":  # merges: some prompts over the bound are within the limit
+            assert n_encoded > every.num_dropped_too_long
+    assert fast.stats() == every.stats()
+    assert fast._row_ids == every._row_ids
+    assert fast.next_prompts(2 * len(fast)) == every.next_prompts(2 * len(every))
+
+
+# -- JSON lines parsed by orjson where installed: the values of json.loads ---------------------
+
+JSON_LINES = [
+    '{"a": 1, "a": 2}',
+    '{"x": NaN, "y": Infinity, "z": -Infinity}',
+    '{"big": 1e400, "neg": -1e400, "tiny": 1e-400}',
+    '{"z": -0, "f": -0.0, "e": 1E5, "g": 0.1000000000000000055511151231257827}',
+    '{"u64": 18446744073709551616, "i64": -9223372036854775809, "ok": 9223372036854775807}',
+    "[18446744073709551615, 9223372036854775808, -9223372036854775808, 123456789012345678]",
+    "[1234567890123456789.5, 1.5e308, 1e309, 4.9e-324, 2.2250738585072014e-308]",
+    '{"id": "12345678901234567890"}',
+    '{"s": "\\ud800 lone"}',
+    '{"s": "\\ud83d\\ude00 pair", "t": "\\u00e9\\n\\t\\"\\\\\\/"}',
+    '{"s": "\\u0000 nul", "del": "\x7f"}',
+    ' \t{"sp" : [1, 2.5e-3 ,true,false,null] } \t',
+    '{"a": 1} x',
+    "\ufeff{}",
+    '{"tab": "raw\ttab"}',
+    "0123",
+    "1.",
+    ".5",
+    "[1,]",
+    "{'a': 1}",
+    '"\\x41"',
+    '{"deep": ' + "[" * 2000 + "]" * 2000 + "}",
+    '{"ok": ' + "[" * 500 + "]" * 500 + "}",
+    '{"ünï": "çödé 中文 👩‍👩‍👧"}',
+    "[]",
+    "17",
+]
+
+
+def test_orjson_lines_parse_as_json_loads(monkeypatch):
+    """Every line gives the same value (type and repr: -0.0, inf, big integers, the last of a
+    duplicate key) or the same DataError through orjson as through json.loads alone."""
+    pytest.importorskip("orjson")
+    assert sources_mod._orjson_loads is not None
+
+    def parse(line):
+        try:
+            return (
+                "ok",
+                repr(sources_mod._parse_json_bytes(line.encode("utf-8", "surrogatepass"), "f:1")),
+            )
+        except DataError as e:
+            return ("error", str(e))
+
+    with_orjson = [parse(line) for line in JSON_LINES]
+    monkeypatch.setattr(sources_mod, "_orjson_loads", None)
+    assert with_orjson == [parse(line) for line in JSON_LINES]
+    assert sum(kind == "ok" for kind, _ in with_orjson) >= 10

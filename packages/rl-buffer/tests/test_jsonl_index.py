@@ -141,3 +141,29 @@ def test_a_file_changed_after_indexing_is_an_error(tmp_path, char_tokenizer):
     os.remove(path)
     with pytest.raises(DataError, match="start the run again"):
         src.next_prompts(1)
+
+
+def test_blank_lines_as_str_strip_counts_them(tmp_path, char_tokenizer):
+    """Lines of Unicode whitespace only (ideographic space, NBSP, separators \\x1c-\\x1f) are
+    blank, as the in-memory reader counts them; a record after them keeps its line number."""
+    recs = _records()[:6]
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(r) for r in recs]
+    lines[1:1] = ["\u3000\u2003", "\x1c\x1f ", "\u00a0", "\t\x0b\x0c"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cfg = _config(path, shuffle=False)
+    src = JsonlSource(cfg, char_tokenizer)
+    assert len(src) == len(InMemoryJsonl(cfg, char_tokenizer)) == 4  # too long, unknown role
+    assert src.next_prompts(9) == InMemoryJsonl(cfg, char_tokenizer).next_prompts(9)
+    assert list(src._linenos) == [1, 6, 7, 9]
+
+
+def test_draws_equal_without_orjson(tmp_path, char_tokenizer, monkeypatch):
+    """orjson (optional) only parses faster: without it the same prompts and counts."""
+    path = _write(tmp_path / "d.jsonl", _records())
+    cfg = _config(path)
+    with_orjson = JsonlSource(cfg, char_tokenizer)
+    monkeypatch.setattr(sources_mod, "_orjson_loads", None)
+    without = JsonlSource(cfg, char_tokenizer)
+    assert with_orjson.stats() == without.stats()
+    assert with_orjson.next_prompts(90) == without.next_prompts(90)
