@@ -39,21 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).with_name("results")
-VOCAB = 49152
-SMOLLM2_135M = {
-    "vocab_size": VOCAB,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "tie_word_embeddings": True,
-    "rope_theta": 100000.0,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 8192,
-}
-"""SmolLM2-135M's architecture (``num_hidden_layers`` 30)."""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _smollm2 import VOCAB, build_model
 
+RESULTS = Path(__file__).with_name("results")
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0}
 """Dense bf16 peak of known devices (TFLOP/s), by a name fragment of the device."""
 
@@ -78,23 +67,7 @@ def model_dir(work: Path, layers: int, dtype: str) -> tuple[Path, str]:
                 return real, "SmolLM2-135M-Instruct (converted)"
         except ImportError:
             pass
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from rl_hf.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = LlamaConfig(
-        **SMOLLM2_135M,
-        num_hidden_layers=layers,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    out = work / f"smollm2_shape_{layers}l"
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
+    out = build_model(work / f"smollm2_shape_{layers}l", layers, dtype)
     return out, f"random SmolLM2-135M shape, {layers} layers"
 
 

@@ -42,41 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _smollm2 import SMOLLM2_135M, VOCAB, build_model
+
 RESULTS = Path(__file__).with_name("results") / "memory.json"
-VOCAB = 49152
-SMOLLM2_135M = {
-    "vocab_size": VOCAB,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "tie_word_embeddings": True,
-    "rope_theta": 100000.0,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 8192,
-}
-"""The architecture of SmolLM2-135M (``num_hidden_layers`` 30 in the real model)."""
-
-
-def build_model(directory: Path, layers: int, dtype: str) -> Path:
-    """A random SmolLM2-135M-shaped Llama with ``layers`` layers and the test tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from rl_hf.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    config = LlamaConfig(
-        **SMOLLM2_135M,
-        num_hidden_layers=layers,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    return directory
 
 
 def _rss_bytes() -> int:

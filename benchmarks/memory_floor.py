@@ -123,8 +123,8 @@ def build_model(kind: str, directory: Path, layers: int) -> Path:
         from rl_hf import build_tiny_model
 
         return build_tiny_model(directory)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from memory import build_model as smollm2_shaped
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _smollm2 import build_model as smollm2_shaped
 
     return smollm2_shaped(directory, layers, "float32")
 
