@@ -15,7 +15,7 @@ A task is a class with a nested ``Config``, registered under the ``rl.tasks`` en
 from __future__ import annotations
 
 import abc
-import json
+import itertools
 import random
 import re
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from typing import Any
 
 from rl_core.config import NonNegInt, PositiveInt, Probability, Seed
 from rl_core.errors import ConfigError
+from rl_core.splits import held_out_split, write_jsonl_splits
 from rl_core.types import Prompt, Rollout
 
 __all__ = ["AdditionTask", "CalculatorTask", "ReverseTask", "Task", "position_match"]
@@ -51,38 +52,19 @@ class Task(abc.ABC):
 
     def write_splits(self, directory: str | Path) -> dict[str, Path]:
         """Write ``train.jsonl`` and ``eval.jsonl`` (idempotent) and return their paths."""
-        out = {}
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        for split in ("train", "eval"):
-            p = d / f"{split}.jsonl"
-            if not p.exists():
-                tmp = p.with_suffix(".tmp")
-                with tmp.open("w") as f:
-                    for ex in self.examples(split):
-                        f.write(json.dumps(ex) + "\n")
-                tmp.replace(p)
-            out[split] = p
-        return out
+        return write_jsonl_splits(directory, self.examples)
 
     def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> dict[str, float]:
         """RewardFn: score the decoded response against the prompt's label."""
         return self.score(response.strip(), prompt.label)
 
 
-def _split(seen_eval: set[str], make, n_train: int, n_eval: int, seed: int) -> dict[str, list]:
+def _split(make, n_train: int, n_eval: int, seed: int) -> dict[str, list]:
+    """``n_eval`` distinct held-out examples, then ``n_train`` others, drawn by ``make`` from
+    one generator seeded by ``seed``."""
     rng = random.Random(seed)
-    evals: list[dict[str, Any]] = []
-    while len(evals) < n_eval:
-        ex = make(rng)
-        if ex["prompt"] not in seen_eval:
-            seen_eval.add(ex["prompt"])
-            evals.append(ex)
-    train: list[dict[str, Any]] = []
-    while len(train) < n_train:
-        ex = make(rng)
-        if ex["prompt"] not in seen_eval:  # held-out prompts never appear in training
-            train.append(ex)
+    draws = (make(rng) for _ in itertools.count())
+    evals, train = held_out_split(draws, draws, n_eval=n_eval, n_train=n_train)
     return {"train": train, "eval": evals}
 
 
@@ -115,7 +97,7 @@ class ReverseTask(Task):
             s = "".join(rng.choice(c.alphabet) for _ in range(n))
             return {"prompt": f"{s}=", "label": s[::-1]}
 
-        self._splits = _split(set(), make, c.n_train, c.n_eval, c.seed)
+        self._splits = _split(make, c.n_train, c.n_eval, c.seed)
 
     def examples(self, split: str) -> list[dict[str, Any]]:
         """Examples of ``split``."""
@@ -150,7 +132,7 @@ class AdditionTask(Task):
             a, b = rng.randint(0, hi), rng.randint(0, hi)
             return {"prompt": f"{a}+{b}=", "label": str(a + b)}
 
-        self._splits = _split(set(), make, config.n_train, config.n_eval, config.seed)
+        self._splits = _split(make, config.n_train, config.n_eval, config.seed)
 
     def examples(self, split: str) -> list[dict[str, Any]]:
         """Examples of ``split``."""
@@ -215,7 +197,7 @@ class CalculatorTask(Task):
                 return {"prompt": f"{expr}=", "label": f"ANSWER: {value}"}
             return {"prompt": f"{expr}=", "label": f"CALC: {expr}\n= {value}\nANSWER: {value}"}
 
-        self._splits = _split(set(), make, c.n_train, c.n_eval, c.seed)
+        self._splits = _split(make, c.n_train, c.n_eval, c.seed)
 
     def examples(self, split: str) -> list[dict[str, Any]]:
         """Examples of ``split``."""

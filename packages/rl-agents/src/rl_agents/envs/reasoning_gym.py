@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -36,6 +37,7 @@ from typing import Any, ClassVar, Literal
 from rl_agents.envs.base import Action, StepResult
 from rl_core.config import PositiveInt, Seed
 from rl_core.errors import ConfigError, DataError
+from rl_core.splits import held_out_split, write_jsonl_splits
 from rl_core.types import Prompt, Rollout
 
 __all__ = ["ReasoningGymEnv", "ReasoningGymSpec", "ReasoningGymTask"]
@@ -118,27 +120,30 @@ class _Entries:
             raise ConfigError(f"{where}.dataset_config: reasoning-gym refused it: {e}") from None
         self.by_prompt: dict[str, tuple[Any, dict[str, Any]]] = {}
         self.splits: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
-        held_out: set[str] = set()
-        for i in range(spec.n_eval):
-            self._add("eval", self.eval_ds, self.eval_ds[i], spec)
-            held_out.add(self.splits["eval"][-1]["prompt"])
-        for i in range(len(self.train_ds)):
-            if len(self.splits["train"]) == spec.n_train:
-                break
-            entry = self.train_ds[i]
-            if spec.prompt_template.format(question=entry["question"]) not in held_out:
-                self._add("train", self.train_ds, entry, spec)
+
+        def candidates(ds: Any, n: int) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+            for i in range(n):
+                entry = ds[i]
+                yield spec.prompt_template.format(question=entry["question"]), ds, entry
+
+        evals, train = held_out_split(
+            candidates(self.eval_ds, spec.n_eval),
+            candidates(self.train_ds, len(self.train_ds)),
+            n_eval=spec.n_eval,
+            n_train=spec.n_train,
+            prompt=lambda c: c[0],
+            distinct_eval=False,  # every eval entry is kept, as the dataset made them
+        )
+        for split, chosen in (("eval", evals), ("train", train)):
+            for prompt, ds, entry in chosen:
+                self.by_prompt.setdefault(prompt, (ds, entry))
+                self.splits[split].append({"prompt": prompt, "label": str(entry["answer"])})
         if len(self.splits["train"]) < spec.n_train:
             raise ConfigError(
                 f"{where}.n_train: only {len(self.splits['train'])} training questions of "
                 f"{spec.dataset} differ from the {spec.n_eval} held-out ones; lower n_train or "
                 "n_eval, or widen dataset_config."
             )
-
-    def _add(self, split: str, ds: Any, entry: dict[str, Any], spec: ReasoningGymSpec) -> None:
-        prompt = spec.prompt_template.format(question=entry["question"])
-        self.by_prompt.setdefault(prompt, (ds, entry))
-        self.splits[split].append({"prompt": prompt, "label": str(entry["answer"])})
 
 
 _CACHE: dict[str, _Entries] = {}
@@ -197,19 +202,7 @@ class ReasoningGymTask:
 
     def write_splits(self, directory: str | Path) -> dict[str, Path]:
         """Write ``train.jsonl`` and ``eval.jsonl`` under ``directory`` (idempotent)."""
-        out = {}
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        for split in ("train", "eval"):
-            p = d / f"{split}.jsonl"
-            if not p.exists():
-                tmp = p.with_suffix(".tmp")
-                with tmp.open("w") as f:
-                    for ex in self.examples(split):
-                        f.write(json.dumps(ex) + "\n")
-                tmp.replace(p)
-            out[split] = p
-        return out
+        return write_jsonl_splits(directory, self.examples)
 
     def __call__(self, prompt: Prompt, response: str, rollout: Rollout) -> dict[str, float]:
         """RewardFn: the dataset's score of ``response``."""
