@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.errors import ConfigError
+from rl_core.errors import ConfigError, WeightSyncError
 from rl_sglang import ManagedProcess, SGLangGenerator
 from rl_sglang._weights import _is_loopback
 from rl_sglang.server import free_port, wait_healthy
@@ -27,11 +27,13 @@ FAKE_SERVER = Path(__file__).with_name("_fake_sglang_server.py")
 
 
 @pytest.fixture
-def fake(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A stand-in server on 127.0.0.1: its URL and the log of the calls it got."""
+def fake(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, Path]]:
+    """A stand-in server on 127.0.0.1 (``indirect`` param: a path it fails with 400): its URL
+    and the log of the calls it got."""
     port, log = free_port(), tmp_path / "calls.jsonl"
+    fail = [request.param] if hasattr(request, "param") else []
     proc = ManagedProcess(
-        [sys.executable, str(FAKE_SERVER), str(port), str(log)],
+        [sys.executable, str(FAKE_SERVER), str(port), str(log), *fail],
         env=dict(os.environ),
         log_path=tmp_path / "fake.out",
         cwd=tmp_path,
@@ -106,3 +108,20 @@ def test_inline_push_and_the_auto_choice(fake: tuple[str, Path]) -> None:
     assert not _is_loopback("http://10.0.0.5:30000") and not _is_loopback("http://node7:30000")
     with pytest.raises(ConfigError, match="tensor_push"):
         SGLangGenerator.Config(server_urls=(url,), tensor_push="shm")
+
+
+@pytest.mark.parametrize("fake", ["/update_weights_from_disk"], indirect=True)
+def test_failed_file_load_keeps_the_version_and_says_how_to_fix(fake: tuple[str, Path]) -> None:
+    """A server that cannot load the file (e.g. it does not see this host's /dev/shm): the
+    error names tensor_push inline, the generator stays on its version, no file is left."""
+    url, log = fake
+    gen = SGLangGenerator(SGLangGenerator.Config(server_urls=(url,), health_interval_s=0))
+    try:
+        with pytest.raises(WeightSyncError, match="tensor_push: inline") as err:
+            gen.load_weights(_weights(seed=1), version=1)
+        assert gen.weight_version == 0
+        (body,) = _posts(log, "/update_weights_from_disk")
+        assert not os.path.exists(body["model_path"]), "the failed version's file is left"
+        assert "Failed to get weights iterator" in str(err.value)
+    finally:
+        asyncio.run(gen.close())

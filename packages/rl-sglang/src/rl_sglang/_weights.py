@@ -187,7 +187,14 @@ class WeightUpdater:
                 tensors[name] = t
             save_file(tensors, os.path.join(directory, "model.safetensors"))
             del tensors
-            self._io.call(self._update_all("disk", directory, version))
+            try:
+                self._io.call(self._update_all("disk", directory, version))
+            except WeightSyncError as e:
+                raise WeightSyncError(
+                    f"{e} (tensor_push 'file': the servers load {directory}/model.safetensors "
+                    "from this host's filesystem; for servers that cannot see it, set "
+                    "SGLangGenerator.Config.tensor_push: inline)"
+                ) from e
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
