@@ -67,7 +67,7 @@ class SmolMathTask(Task):
             ]
             return {"prompt": chatml(messages), "label": f"ANSWER: {a + b}"}
 
-        self._splits = _split(set(), make, c.n_train, c.n_eval, c.seed)
+        self._splits = _split(make, c.n_train, c.n_eval, c.seed)
 
     def examples(self, split: str) -> list[dict[str, Any]]:
         """Examples of ``split``."""
