@@ -17,10 +17,15 @@ push of each mode, the server's teacher-forced log-probs of a fixed chat prompt 
 transformers' on the pushed weights (``max_abs_logprob_diff``; fp32 server) and with the base
 model's (``changed_by``), so a push that left a tensor stale shows.
 
+``trainer_runs`` (skip with ``--no-trainer``): ``rl-train run smollm2_math`` with
+``generator: {type: sglang}`` and the default ``inprocess`` transport for 3 RL steps (2 prompts x
+4 samples, no eval), once per mode: the trainer's own ``perf/sync_time`` (publish, verify and
+push) and ``perf/step_time`` per step.
+
 Run: ``OMP_NUM_THREADS=1 python benchmarks/sglang_push.py [--pushes 3]``. Needs the SGLang venv
 (``make sglang-env``) and the converted model (``make real-model``). Writes
 ``benchmarks/results/sglang_push_smollm2.json``. About 3 GB RSS for the server, 2 GB here;
-2-4 minutes on two cores.
+2-4 minutes on two cores, plus 1-4 minutes per trainer run.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import json
 import os
 import pickle
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -95,12 +102,49 @@ def reference_logprobs(model_dir: Path, weights: dict[str, torch.Tensor], ids: l
     return lp
 
 
+def trainer_run(mode: str, model: Path, steps: int = 3) -> dict[str, list[float]]:
+    """``steps`` RL steps of ``smollm2_math`` on one SGLang server with ``tensor_push: mode``:
+    the trainer's ``perf/sync_time`` and ``perf/step_time`` per step, and the 1-minute load
+    average at the start."""
+    gen = (
+        "{type: sglang, num_servers: 1, max_concurrency: 64, "
+        f"tensor_push: {mode}, server_args: {{log_level: warning}}}}"
+    )
+    with tempfile.TemporaryDirectory(prefix="sglang-push-run-") as run_dir:
+        sets = {
+            "run_dir": run_dir,
+            "model.path": str(model),
+            "rl.steps": str(steps),
+            "eval.every": "0",
+            "rollout.prompts_per_step": "2",
+            "rollout.n_samples": "4",
+            "logging.progress": "false",
+            "generator": gen,
+        }
+        cmd = [sys.executable, "-m", "rl_trainer.cli", "run", "smollm2_math", "--no-report"]
+        cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+        load = os.getloadavg()[0]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+        if done.returncode != 0:
+            raise SystemExit(
+                f"trainer run ({mode}) failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
+        rows = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/sync_time" in r]
+    return {
+        "sync_s": [round(r["perf/sync_time"], 2) for r in rows],
+        "step_s": [round(r["perf/step_time"], 2) for r in rows],
+        "loadavg_1m_start": [round(load, 2)],
+    }
+
+
 def main() -> None:
     """Launch one server, push ``--pushes`` times per mode (interleaved), print and write."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--no-trainer", action="store_true", help="skip the trainer runs")
     args = ap.parse_args()
     load_before = os.getloadavg()
     base = load_file(str(args.model / "model.safetensors"))
@@ -188,6 +232,9 @@ def main() -> None:
         )
     speedup = modes["inline"]["median_push_s"] / modes["file"]["median_push_s"]
     print(f"file is {speedup:.1f}x faster than inline")
+    runs = {} if args.no_trainer else {m: trainer_run(m, args.model) for m in MODES}
+    for m, r in runs.items():
+        print(f"trainer, tensor_push {m}: sync {r['sync_s']} s, step {r['step_s']} s")
     write_results(
         args.out,
         {
@@ -199,6 +246,7 @@ def main() -> None:
             "server_start_s": round(start_s, 1),
             "modes": modes,
             "inline_over_file": round(speedup, 2),
+            "trainer_runs": runs,
         },
         load_before,
     )
