@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,16 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 def test_file_push_loads_every_tensor_and_cleans_up(fake: tuple[str, Path]) -> None:
     url, log = fake
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    orphan = Path(root) / f"rl-sglang-push-{int(dead.stdout)}-x"  # a killed run's leftover
+    orphan.mkdir()
+    (orphan / "model.safetensors").write_bytes(b"0")
     gen = SGLangGenerator(SGLangGenerator.Config(server_urls=(url,), health_interval_s=0))
     staged = []
     try:
@@ -83,6 +95,7 @@ def test_file_push_loads_every_tensor_and_cleans_up(fake: tuple[str, Path]) -> N
             for name, tensor in named:
                 assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
             staged.append(body["model_path"])
+            assert not orphan.exists(), "a dead process's staging directory is left"
         assert not os.path.exists(staged[0]), "the previous version's file is left behind"
         assert os.path.isdir(staged[1]), "the served version's file is the re-sync source"
     finally:

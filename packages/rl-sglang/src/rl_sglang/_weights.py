@@ -204,11 +204,14 @@ class WeightUpdater:
 
     def _staging_dir(self) -> str:
         """The private staging directory (created at first use in ``/dev/shm`` when it is a
-        writable directory, else the system temp directory; removed by :meth:`close`)."""
+        writable directory, else the system temp directory; removed by :meth:`close`). Staging
+        directories of processes that no longer run (killed before they could clean up) are
+        removed first."""
         if self._staging is None:
             shm = "/dev/shm"
             root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-            self._staging = tempfile.mkdtemp(prefix="rl-sglang-push-", dir=root)
+            _remove_orphans(root or tempfile.gettempdir())
+            self._staging = tempfile.mkdtemp(prefix=f"{_STAGING_PREFIX}{os.getpid()}-", dir=root)
             self._staging_cleanup = weakref.finalize(
                 self, shutil.rmtree, self._staging, ignore_errors=True
             )
@@ -360,6 +363,30 @@ def memory_tags(tags: Sequence[str] | None) -> list[str] | None:
             f"subset of {MEMORY_TAGS} or None for all."
         )
     return out
+
+
+_STAGING_PREFIX = "rl-sglang-push-"
+"""Staging directories are ``<root>/rl-sglang-push-<pid>-<random>``."""
+
+
+def _remove_orphans(root: str) -> None:
+    """Remove the staging directories under ``root`` whose process no longer runs."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_STAGING_PREFIX):
+            continue
+        pid = name[len(_STAGING_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:  # alive under another user (PermissionError): not ours to remove
+            continue
 
 
 def _is_loopback(url: str) -> bool:
