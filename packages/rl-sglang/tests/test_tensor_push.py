@@ -58,12 +58,17 @@ def _posts(log: Path, path: str) -> list[Any]:
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     embed = torch.randn(32, 8, generator=g)
+    flat, flat2 = torch.randn(12, generator=g), torch.randn(16, generator=g)
     return [
         ("model.embed_tokens.weight", embed),
         ("lm_head.weight", embed),  # tied: the same storage under two names
         ("model.layers.0.mlp.up_proj.weight", torch.randn(16, 8, generator=g).bfloat16()),
         ("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 16, generator=g).t()),
         ("model.norm.weight", torch.randn(8, generator=g)),
+        ("model.layers.0.input_layernorm.weight", flat[:8]),  # overlapping views of one
+        ("model.layers.0.post_attention_layernorm.weight", flat[4:]),  # storage
+        ("model.layers.1.input_layernorm.weight", flat2[:8]),  # disjoint views: kept as views
+        ("model.layers.1.post_attention_layernorm.weight", flat2[8:]),
     ]
 
 

@@ -172,7 +172,7 @@ class WeightUpdater:
         directory = tempfile.mkdtemp(prefix=f"v{version}-", dir=self._staging_dir())
         try:
             tensors: dict[str, torch.Tensor] = {}
-            storages: set[tuple[int, int]] = set()
+            spans: dict[int, list[tuple[int, int]]] = {}  # storage -> byte ranges written
             for name, t in named_tensors:
                 if name in tensors:
                     raise WeightSyncError(
@@ -180,10 +180,13 @@ class WeightUpdater:
                         "named_tensors must yield each name once."
                     )
                 t = t.detach().to("cpu").contiguous()
-                key = (t.untyped_storage().data_ptr(), t.storage_offset())
-                if key in storages:  # tied tensors: safetensors refuses shared storage
-                    t = t.clone()
-                storages.add(key)
+                ptr = t.untyped_storage().data_ptr()
+                lo = t.storage_offset() * t.element_size()
+                hi = lo + t.numel() * t.element_size()
+                if any(a < hi and lo < b for a, b in spans.get(ptr, ())):
+                    t = t.clone()  # tied or overlapping views: safetensors refuses shared memory
+                else:
+                    spans.setdefault(ptr, []).append((lo, hi))
                 tensors[name] = t
             save_file(tensors, os.path.join(directory, "model.safetensors"))
             del tensors
