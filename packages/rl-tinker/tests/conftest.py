@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,13 +26,36 @@ def _api_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
 
 
+def _close_clients(clients: list, url: str) -> None:
+    """Close (finish) every tinker ServiceClient of ``url`` while its service still answers: the
+    SDK's session heartbeat would otherwise run on in its event-loop thread after the service
+    stops and warn "Session heartbeat failed" minutes later. A closed client is left alone."""
+    for sc in [c for c in clients if (c._base_url or "").rstrip("/") == url.rstrip("/")]:
+        clients.remove(sc)
+        try:
+            sc.close("success").result(timeout=30)
+        except TimeoutError:  # the test goes on; the SDK finishes closing in its own thread
+            warnings.warn(f"tinker client of {url} not closed within 30 s", stacklevel=1)
+
+
 @pytest.fixture
-def serve(tiny_model: Path, tmp_path: Path) -> Iterator:
-    """``serve(**overrides) -> RunningService`` on a free port; all stopped after the test."""
+def serve(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """``serve(**overrides) -> RunningService`` on a free port; all stopped after the test.
+    The SDK clients made during the test (``tinker.ServiceClient``, also inside the cookbook) are
+    closed when their service stops, by the test or after it."""
+    import tinker
     from rl_tinker.config import ServiceConfig
     from rl_tinker.runner import start
 
     running = []
+    clients: list = []
+    real_init = tinker.ServiceClient.__init__
+
+    def tracked_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        clients.append(self)
+
+    monkeypatch.setattr(tinker.ServiceClient, "__init__", tracked_init)
 
     def make(**overrides):
         fields = {
@@ -41,6 +65,15 @@ def serve(tiny_model: Path, tmp_path: Path) -> Iterator:
         }
         fields.update(overrides)
         svc = start(ServiceConfig(**fields))
+        real_stop = svc.stop
+
+        def stop() -> None:
+            try:
+                _close_clients(clients, svc.url)
+            finally:
+                real_stop()
+
+        svc.stop = stop
         running.append(svc)
         return svc
 

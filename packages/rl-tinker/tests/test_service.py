@@ -405,3 +405,16 @@ def test_queued_work_limit_counts_running_and_waiting_operations(tmp_path):
         assert err.value.status == 400
     finally:
         svc.close()
+
+
+def test_sdk_sessions_end_with_their_service(serve):
+    """The fixture closes the SDK's clients when their service stops (here: by the test), so no
+    session heartbeat runs on against a stopped service ("Session heartbeat failed" warnings at
+    the end of a test run)."""
+    svc = serve()
+    sc = _client(svc)
+    sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    heartbeat = sc._session_holder._session_heartbeat_task  # the SDK has no public view of it
+    assert not heartbeat.done()
+    svc.stop()
+    assert heartbeat.done() and sc._closed  # cancelled: the close waited for it
