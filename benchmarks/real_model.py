@@ -16,19 +16,22 @@ reward, group size, prompts per step, max new tokens, temperature, AdamW (lr, be
 decay, grad clip), PPO clip ranges, no KL, token-mean loss (TRL ``loss_type="dapo"``), the same
 seed and thread count. Both report samples/s and process-CPU seconds per sample over the RL steps,
 and the mean training reward per step. Runs are INTERLEAVED per seed (``--seeds 1 2``: ours seed
-1, TRL seed 1, [ours seed 1 skip off], ours seed 2, TRL seed 2, ...), never two at once (memory:
-ours ~3-5 GB, TRL ~12 GB with its full-vocabulary logits), so a change of machine load falls on
-both sides alike; the JSON's ``summary`` pools samples and step seconds over the seeds
-(``speedup_vs_trl``: ours / TRL samples/s; issue 36's bar: >= 1.5).
+1, TRL seed 1, [ours seed 1 skip off], ours seed 2, TRL seed 2, ...), never two at once
+(memory: ours 3.8-4.4 GB peak RSS, TRL ~12 GB with its full-vocabulary logits), so a change of
+machine load falls on both sides alike; the JSON's ``summary`` pools samples and step seconds
+over the seeds (``speedup_vs_trl``: ours / TRL samples/s; issue 36's bar: >= 1.5).
 
 ``--skip-off`` also runs ours with ``rl.skip_zero_advantage=false`` for every seed: the skip
 gives the same update (same rewards, same trajectory within float rounding), so the two runs'
 per-step ``perf/train_time`` differ only by the forward/backward the skip leaves out.
 ``skip_saving`` lists, per step, the share of samples skipped (``train/skipped_samples_frac``:
 samples of groups whose rewards are all equal) and the train seconds with the skip on and off.
-On smollm2_math the first step skips ~1/4 of the samples (the instruct model gets most sums
-wrong in the same way); once the model has learned (step 4 on: train reward ~0.8-0.9) most
-groups are all-correct, so the later steps are the "most groups all-equal" case.
+On smollm2_math as it is (format reward 0.3) 1/8-3/8 of the samples are skipped per step (steps
+1-5, seed 1): train time -24%. Most groups are all-equal with ``--set task.format_reward=0`` at
+step 1 (exact ~0.05: 75% skipped, train 3.5 s vs 10.8 s; the model then learns and the share
+drops to 1/4-3/8) and with ``--set task.max_operand=999 --set task.format_reward=0`` (three-digit
+sums: every reward 0, every group all-equal, one sample kept so AdamW still steps: 98% skipped,
+train 1.6 s vs 10.7 s per step). Measured at load 1.2-3.7, 1 thread, ``--steps 3-5``.
 
 Usage (one command line each; OMP_NUM_THREADS=1)::
 
@@ -38,6 +41,11 @@ Usage (one command line each; OMP_NUM_THREADS=1)::
         --skip-off --out benchmarks/results/real_model_vs_trl.json
     # the same at two threads on both sides:
     ... --threads 2 --out benchmarks/results/real_model_vs_trl_2threads.json
+    # the skip's saving where most groups are all-equal (ours only, skip on and off):
+    .venv/bin/python benchmarks/real_model.py --steps 8 --eval-every 0 --seeds 1 2 --skip-off
+        --set task.format_reward=0 --out benchmarks/results/real_model_skip.json
+    ... --steps 4 --set task.max_operand=999 --set task.format_reward=0
+        --out benchmarks/results/real_model_skip_all_equal.json
     .venv/bin/python benchmarks/real_model.py --steps 2 --out benchmarks/results/real_model_sglang.json
         --set 'generator={type: sglang, num_servers: 1, server_args: {log_level: warning}}'
         # the SGLang generator
