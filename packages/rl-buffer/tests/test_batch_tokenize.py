@@ -252,12 +252,34 @@ def test_length_bound_needs_a_known_structure(hf_tokenizer, char_tokenizer):
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     for model in (
         models.WordLevel({s: i for i, s in enumerate(alphabet)}, unk_token=alphabet[0]),
-        models.BPE({s: i for i, s in enumerate(alphabet[:200])}, []),  # 56 bytes missing
+        models.BPE({"é": 0}, []),  # no ASCII byte is a token
     ):
         core = Tokenizer(model)
         core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         assert sources_mod._length_bound(PreTrainedTokenizerFast(tokenizer_object=core)) is None
     assert sources_mod._length_bound(hf_tokenizer) is not None
+
+
+def test_bytes_missing_from_the_vocabulary_are_dropped_within_the_bound():
+    """A BPE vocabulary without some byte symbols (as SmolLM2's: a few control bytes) drops
+    them: still within the bound; a text of only such bytes may give zero tokens, so it gets no
+    bound (encode() decides, and a zero-token prompt stays an error)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    drop = {pre.pre_tokenize_str(c)[0][0] for c in "\x04ab"}
+    core = Tokenizer(models.BPE({s: i for i, s in enumerate(sorted(set(alphabet) - drop))}, []))
+    core.pre_tokenizer = pre
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    bound = sources_mod._length_bound(tok)
+    assert bound is not None
+    for text in ("\x04", "ab\x04ba", "é"):  # only dropped ASCII bytes, or no ASCII at all
+        assert bound.max_tokens(text, True) is None
+    assert tok.encode("ab\x04") == []
+    for text in ("abc", "\x04c\x04", "xé", "a b"):
+        assert 1 <= len(tok.encode(text)) <= bound.max_tokens(text, True), text
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "nfc"])

@@ -856,6 +856,10 @@ class _LengthBound:
     ascii_only: bool
     """The tokenizer has a Unicode normalizer: only ASCII text (which every Unicode normal form
     leaves unchanged) is bounded."""
+    absent: bytes = b""
+    """Bytes the bound cannot count on for the one token: none when the vocabulary holds every
+    byte symbol, else every non-ASCII byte and the ASCII bytes whose symbol it lacks (BPE drops
+    those). A text needs one other byte."""
 
     def max_tokens(self, text: str, add_special_tokens: bool) -> int | None:
         """At least as many tokens as ``encode(text)`` gives, and that count is at least 1;
@@ -864,10 +868,12 @@ class _LengthBound:
         if not text or (self.ascii_only and not text.isascii()):
             return None
         try:
-            n = len(text.encode("utf-8"))
+            data = text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: encode() fails and names the record
             return None
-        return n + (self.specials if add_special_tokens else 0)
+        if not data.translate(None, self.absent):  # maybe zero tokens: encode() decides
+            return None
+        return len(data) + (self.specials if add_special_tokens else 0)
 
 
 _UNICODE_NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD")
@@ -879,14 +885,15 @@ def _length_bound(tokenizer: Any) -> _LengthBound | None:
 
     Shown for a tokenizer whose ``encode`` is its fast backend's (:func:`_batch_encoder`: no
     truncation or padding) with a byte-level pre-tokenizer (``ByteLevel``, no added prefix
-    space), a BPE model holding every byte symbol, and no normalizer or a Unicode one
-    (``NFC``/``NFD``/``NFKC``/``NFKD``, which leave ASCII text unchanged): GPT-2, SmolLM2,
-    Qwen2 style. There, a non-empty text splits into added tokens (one token each, at least one
-    character) and pieces whose bytes become one symbol each; BPE merges symbols, so a piece
-    gives at most its byte count in tokens and at least one (every symbol is in the
-    vocabulary). The post-processor then adds ``num_special_tokens_to_add`` tokens. So a text
-    gives between 1 and ``len(text.encode("utf-8")) + specials`` tokens, and a source that keeps
-    no ids need not encode a prompt whose bound is within the limit.
+    space), a BPE model, and no normalizer or a Unicode one (``NFC``/``NFD``/``NFKC``/``NFKD``,
+    which leave ASCII text unchanged): GPT-2, SmolLM2, Qwen2 style. There, a text splits into
+    added tokens (one token each, at least one character) and pieces whose bytes become one
+    symbol each; BPE merges symbols and drops a symbol missing from its vocabulary (SmolLM2
+    lacks a few control and non-UTF-8 bytes), so a piece gives at most its byte count in
+    tokens, and at least one when it holds an ASCII byte whose symbol is a token. The
+    post-processor then adds ``num_special_tokens_to_add`` tokens. So such a text gives between
+    1 and ``len(text.encode("utf-8")) + specials`` tokens, and a source that keeps no ids need
+    not encode a prompt whose bound is within the limit.
     """
     backend = _fast_backend(tokenizer)
     if backend is None:
@@ -901,10 +908,19 @@ def _length_bound(tokenizer: Any) -> _LengthBound | None:
     if norm is not None and type(norm).__name__ not in _UNICODE_NORMALIZERS:
         return None
     vocab = backend.get_vocab(with_added_tokens=False)
-    if not all(sym in vocab for sym in pre_tokenizers.ByteLevel.alphabet()):
+    present = set()  # ASCII bytes whose one symbol is a token
+    for b in range(0x80):
+        pieces = pre.pre_tokenize_str(chr(b))
+        if len(pieces) == 1 and pieces[0][0] in vocab:
+            present.add(b)
+    if not present:
         return None
     return _LengthBound(
-        specials=int(backend.num_special_tokens_to_add(False)), ascii_only=norm is not None
+        specials=int(backend.num_special_tokens_to_add(False)),
+        ascii_only=norm is not None,
+        absent=b""  # every byte's symbol is a token
+        if all(sym in vocab for sym in pre_tokenizers.ByteLevel.alphabet())
+        else bytes(b for b in range(0x100) if b not in present),
     )
 
 
