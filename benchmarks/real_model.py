@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -241,7 +242,11 @@ def _run_seed(
         run_dir = base_dir.with_name(f"{base_dir.name}_seed{seed}_{name}") if many else base_dir
         sets = {"run_dir": str(run_dir), "seed": str(seed)} | common
         cmd = [sys.executable, "-m", "rl_trainer.cli", "run", "smollm2_math", "--no-report"]
-        cmd.append("--overwrite")  # a rerun replaces the last one (kept as <run-dir>.old-<time>)
+        if not args.from_run:
+            # The benchmark's own run dir: a rerun starts afresh. (--overwrite would keep every
+            # earlier run as <run-dir>.old-<time>, 2-8 GB of SmolLM2 models and optimizer state
+            # each: a day of reruns filled the disk.)
+            shutil.rmtree(run_dir, ignore_errors=True)
         cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
         cmd += [a for kv in [*args.set, *more] for a in ("--set", kv)]
         wall = cpu_s = rss_mb = None
@@ -250,6 +255,9 @@ def _run_seed(
             wall, cpu_s, rss_mb = run_ours(cmd, run_dir)
         key = f"{name}_seed{seed}"
         runs[key] = summarise(run_dir, args.n_samples, wall=wall, cpu_s=cpu_s, rss_mb=rss_mb)
+        if not args.keep_models:  # the metrics, config and log stay; the weights go
+            for heavy in ("checkpoints", "final_model", "init_model"):
+                shutil.rmtree(run_dir / heavy, ignore_errors=True)
         runs[key] |= {"settings": sets | {"extra": [*args.set, *more]}, "loadavg_start": load}
         runs[key]["loadavg_end"] = os.getloadavg()
         order.append(key)
@@ -282,6 +290,12 @@ def main() -> None:
         "--skip-off", action="store_true", help="also run ours with rl.skip_zero_advantage=false"
     )
     ap.add_argument("--trl-work-dir", default=None, help="default: $RL_BENCH_HOME/real_model")
+    ap.add_argument(
+        "--keep-models",
+        action="store_true",
+        help="keep each run's checkpoints and final model (by default only its metrics, config "
+        "and log stay: SmolLM2's weights and optimizer state are GBs per run)",
+    )
     ap.add_argument(
         "--from-run",
         action="store_true",
