@@ -193,16 +193,19 @@ def run_ours(settings: dict[str, Any], out: str, *, sft_only: bool = False) -> N
         clock.record(step, begun, m)
         return m
 
-    evaluation.evaluate = timed_evaluate
-
     t_wall = time.perf_counter()
     cfg = load_trainer_config(rec)
     from rl_trainer.defaults import auto_choices
 
     # What the trainer chose where the recipe left it open (generator process, compile, cache).
     chosen = {c.field: c.value for c in auto_choices(cfg, dict(os.environ))}
-    trainer = Trainer(cfg)
-    records = trainer.run()
+    # Only for this run: the module's own function is back afterwards (a test imports this
+    # worker into a process that runs other trainers next).
+    evaluation.evaluate = timed_evaluate
+    try:
+        records = Trainer(cfg).run()
+    finally:
+        evaluation.evaluate = inner
     rl = [r for r in records if r.get("phase") == "rl" and r.get("step", 0) > 0]
     samples = sum(int(r["rollout/groups_kept"]) * settings["n_samples"] for r in rl)
     tokens = sum(

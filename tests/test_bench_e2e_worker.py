@@ -14,6 +14,9 @@ worker = load_module("_e2e_worker_run", BENCH / "_e2e_worker.py")
 
 
 def test_sft_and_two_rl_steps_record_the_eval_curve_and_the_chosen_defaults(tmp_path) -> None:
+    from rl_trainer.phases import eval as evaluation
+
+    evaluate_before = evaluation.evaluate
     base = {
         "work_dir": str(tmp_path),
         "seed": 1,
@@ -41,3 +44,8 @@ def test_sft_and_two_rl_steps_record_the_eval_curve_and_the_chosen_defaults(tmp_
     assert rl["steps"] == 2 and rl["samples"] == 2 * 4 * 4
     assert rl["train_s"] > 0 and rl["eval_s"] > 0
     assert rl["auto_choices"]["runtime.generator_process"] is False
+    # The eval timing wraps the trainer's eval for the worker's run only: this process's next
+    # trainer (the rest of a test session) gets the module's own function back.
+    from rl_trainer.phases import eval as evaluation
+
+    assert evaluation.evaluate is evaluate_before
