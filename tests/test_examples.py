@@ -75,9 +75,12 @@ def test_megatron_policy_cpu() -> None:
     assert "log-probs vs transformers" in out and "SFT loss over two steps" in out, out
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_sglang_generate() -> None:
-    """Starts a real SGLang server (about 30 s on a quiet 2-core CPU)."""
+    """Starts a real SGLang server (about 30 s on a quiet 2-core CPU). Long tier (``make
+    test-long``), so ``make test`` stays under 20 minutes: the same launch, weight update from a
+    checkpoint and generation run in ``make test`` on rl-sglang's shared server
+    (``packages/rl-sglang/tests/test_generator.py::test_weight_update_paths_serve_exact_version``)."""
     from rl_sglang import _cpu_support
 
     py = _cpu_support.default_python()
