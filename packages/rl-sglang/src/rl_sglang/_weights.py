@@ -201,9 +201,8 @@ class WeightUpdater:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        old, self._staged = self._staged, directory
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        self._drop_staged()  # the previous version's file
+        self._staged = directory
 
     def _staging_dir(self) -> str:
         """The private staging directory (created at first use in ``/dev/shm`` when it is a
