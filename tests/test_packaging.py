@@ -73,21 +73,16 @@ def _constraints() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def dists(tmp_path_factory) -> Path:
-    """The sdist and wheel of every distribution, built once into one folder."""
+def dists(release_builds) -> Path:
+    """The sdist and wheel of every distribution in one folder: each wheel built from its sdist in
+    an isolated build environment, once per session (the root conftest's ``release_builds``)."""
     for tool in ("build", "twine"):
         assert importlib.util.find_spec(tool), (
             f"{tool} is missing: the release checks need pip install 'rlpost-core[dev]'"
         )
-    out = tmp_path_factory.mktemp("dist")
     for project in PROJECTS:
-        done = subprocess.run(
-            [sys.executable, "-m", "build", "-q", "-o", str(out), str(project)],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, f"building {project.name} failed:\n{done.stderr[-3000:]}"
-    return out
+        release_builds(project)
+    return release_builds.out
 
 
 def _wheels(dists: Path) -> dict[str, Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import venv
 import zipfile
 from pathlib import Path
@@ -40,14 +39,11 @@ print(json.dumps({"version": rl_core.__version__, "forbidden": bad, "modules": s
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """rl-core's wheel, built from this checkout."""
-    wheel_dir = tmp_path_factory.mktemp("wheels")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir), str(PKG)],
-        check=True,
-    )
-    (path,) = wheel_dir.glob("rlpost_core-*.whl")
+def wheel(release_builds) -> Path:
+    """rl-core's wheel, built from this checkout's sdist like a release (the root conftest's
+    ``release_builds``: shared with tests/test_packaging.py, built once per session)."""
+    path = release_builds(PKG)[1]
+    assert path.name.startswith("rlpost_core-") and path.suffix == ".whl", path
     return path
 
 
