@@ -89,8 +89,8 @@ def test_unknown_compile_scope_names_the_field(model_dir: Path) -> None:
 def test_compiled_policy_warms_up_at_build_and_matches_eager(tmp_path: Path, context: int) -> None:
     """The start-up compile covers short and long packed rows (longer than a small model's
     ``max_position_embeddings``; 8000 tokens, which recompiled after a warm-up on short rows
-    only, at any context): train steps of 3 to 40 sequences compile nothing more, and log-probs,
-    losses and the updated weights equal eager ones within float rounding."""
+    only, at any context) with one trace each: train steps of 3 to 40 sequences compile nothing
+    more, and log-probs, losses and the updated weights equal eager ones within float rounding."""
     from torch._dynamo.utils import counters
 
     spec = TinyModelSpec(arch="qwen2", max_position_embeddings=context)
@@ -101,6 +101,9 @@ def test_compiled_policy_warms_up_at_build_and_matches_eager(tmp_path: Path, con
     assert compiled.compile_warmup_s > 0
     compiles = counters["aot_autograd"]["total"]
     assert compiles >= 1
+    # Each warm-up trace became a graph: none was thrown away and traced again (before
+    # compiled_call, the layers' float constants restarted the first trace: 3 traces, 2 graphs).
+    assert compiles == counters["stats"]["unique_graphs"], dict(counters["stats"])
     eager = HFPolicy(HFPolicy.Config(model_path=path, lr=1e-3))
     vocab = eager.model_shape.vocab_size
     for step, lengths in enumerate([[6, 9, 4], [8] * 40, [5] * 12, [200] * 40]):  # 19 - 8000

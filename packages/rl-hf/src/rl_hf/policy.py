@@ -486,6 +486,11 @@ class HFPolicy(Offloadable, Policy):
         MoE layer uses ``batch.routed_experts`` when given (routing replay, see
         :mod:`rl_hf._moe`), and the router's own choice goes to the routing sink when one is
         open (:meth:`compute_logprobs`)."""
+        if self.compiled_modules:  # compiled layers: traced and called with float constants
+            from rl_hf._compile import compiled_call
+
+            inner = run
+            run = lambda: compiled_call(inner)  # noqa: E731
         tap = self._router_tap
         if tap is None:
             if batch.routed_experts is not None:
