@@ -340,7 +340,14 @@ async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> 
         from rl_trainer.generator_process import ProcessGenerator
 
         threads = int(spec.options.get("threads") or cfg.threads)  # the child's torch threads
-        generator = await asyncio.to_thread(ProcessGenerator, spec, threads=threads)
+        # Spawned now; it boots in its own process while this one waits in a worker thread (the
+        # RL phase builds the policy meanwhile: rl_trainer.phases.rl).
+        generator = ProcessGenerator(spec, threads=threads, wait=False)
+        try:
+            await asyncio.to_thread(generator.wait_ready)
+        except BaseException:
+            await generator.close()
+            raise
     else:
         generator = registry.build("generator", spec, field="generator")
     if cfg.rl.partial_rollouts and not generator.supports_abort:
