@@ -23,6 +23,10 @@ COOKBOOK_DEPS := blobfile chz cloudpickle pyrage termcolor
 CONSTRAINTS := constraints.txt
 PIP_VERSION := 26.3
 TOOLS := ruff build
+# The build backend of every package (hatchling; editables for its editable wheels), installed
+# before the packages so that pip builds the nine editables with --no-build-isolation in .venv
+# instead of creating nine throw-away build venvs (measured: ~11 s of `make setup`'s ~80 s).
+BUILD_BACKEND := hatchling editables
 
 .PHONY: setup lock docs check-packages sglang-env sglang-lock real-model demo test test-long test-gpu bench-gpu lint format bench clean
 
@@ -35,7 +39,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: $(PKG_FILES) $(CONSTRAINTS) Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==$(PIP_VERSION)
-	$(PIP) install -q -c $(CONSTRAINTS) torch $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS)
+	$(PIP) install -q -c $(CONSTRAINTS) $(BUILD_BACKEND)
+	$(PIP) install -q -c $(CONSTRAINTS) --no-build-isolation torch $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS)
 	$(PIP) install -q --no-deps $(COOKBOOK)
 	@touch $@
 
@@ -46,8 +51,8 @@ lock:
 	rm -rf .lock-venv
 	$(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/python -m pip install -q --upgrade pip==$(PIP_VERSION)
-	.lock-venv/bin/python -m pip install -q torch==2.13.0
-	.lock-venv/bin/python -m pip install -q $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS) "torch==2.13.0"
+	.lock-venv/bin/python -m pip install -q torch==2.13.0 $(BUILD_BACKEND)
+	.lock-venv/bin/python -m pip install -q --no-build-isolation $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS) "torch==2.13.0"
 	.lock-venv/bin/python -m pip install -q --no-deps $(COOKBOOK)
 	{ sed -n '1,/^$$/p' $(CONSTRAINTS) | grep '^#'; \
 	  .lock-venv/bin/python -m pip freeze --exclude-editable | grep -v '^-e' \
