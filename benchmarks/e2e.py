@@ -431,7 +431,12 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=100, help="RL steps per run")
     ap.add_argument("--seeds", default="1,2,3", help="RL seeds (sampling and data order)")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help="held-out eval every N steps (>= 1: the evals delimit the timed RL phase)",
+    )
     ap.add_argument("--target", type=float, default=0.45, help="held-out reward to reach")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32)")
     ap.add_argument("--samples", type=int, default=8, help="group size")
@@ -476,6 +481,11 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None, help="default: $RL_BENCH_HOME/e2e")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.eval_every < 1:
+        ap.error(
+            f"--eval-every {args.eval_every}: must be >= 1 (the eval at step 0 starts the RL "
+            "phase's clock and the evals give the reward curve); use a large value for few evals"
+        )
     if args.setting is None and args.prompts is None and args.max_new_tokens is None:
         args.setting = "demo"
     if args.setting is not None:
