@@ -149,3 +149,62 @@ def release_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release
         yield builds
     finally:
         builds.close()
+
+
+def _link_installed(source: Path, target: Path, root: str, skip: set[str]) -> int:
+    """Hard-link the installed distribution ``root`` and, transitively, every requirement of it
+    that ``source`` (a site-packages) holds, except the names in ``skip``, into the site-packages
+    ``target``, file by file from their RECORDs (a copy where a link fails). Returns the files
+    placed. pip then sees them as installed (what it reads is the same .dist-info). A name
+    ``target`` already holds is left as it is there. The source's files are never written: a
+    later install or uninstall in ``target`` replaces or removes links, not the files."""
+    import importlib.metadata
+    import os
+    import shutil
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    source = source.resolve()
+    installed = {
+        canonicalize_name(d.metadata["Name"]): d
+        for d in importlib.metadata.distributions(path=[str(source)])
+    }
+    skip = skip | {
+        canonicalize_name(d.metadata["Name"])
+        for d in importlib.metadata.distributions(path=[str(target)])
+    }
+    todo, seen, linked, placed = [(canonicalize_name(root), frozenset[str]())], set(), set(), 0
+    while todo:
+        name, extras = todo.pop()
+        if (name, extras) in seen or name in skip or name not in installed:
+            continue
+        seen.add((name, extras))
+        dist = installed[name]
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in {"", *extras}):
+                todo.append((canonicalize_name(req.name), frozenset(req.extras)))
+        if name in linked:
+            continue  # reached before with other extras: its files are there
+        linked.add(name)
+        for file in dist.files or []:
+            src = (source / file).resolve()
+            if not src.is_relative_to(source) or not src.is_file():
+                continue  # console scripts in bin/ (their shebang names the other venv)
+            dst = target / file
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+            placed += 1
+    return placed
+
+
+@pytest.fixture(scope="session")
+def link_installed() -> Callable[[Path, Path, str, set[str]], int]:
+    """``link_installed(source_site, target_site, root, skip) -> files``: an installed package and
+    its installed requirements hard-linked from one site-packages into another venv's (seconds
+    where pip would unpack gigabytes of torch again); see :func:`_link_installed`."""
+    return _link_installed

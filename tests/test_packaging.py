@@ -221,47 +221,8 @@ def _sglang_site_packages() -> Path | None:
     return sites[0]
 
 
-def _link_installed(source: Path, target: Path, root: str, skip: set[str]) -> int:
-    """Hard-link the installed distribution ``root`` and, transitively, every requirement of it
-    that ``source`` (a site-packages) holds, except the names in ``skip``, into the site-packages
-    ``target``, file by file from their RECORDs (a copy where a link fails). Returns the files
-    placed. pip then sees them as installed (what it reads is the same .dist-info)."""
-    import importlib.metadata
-
-    installed = {
-        canonicalize_name(d.metadata["Name"]): d
-        for d in importlib.metadata.distributions(path=[str(source)])
-    }
-    todo, seen, linked, placed = [(canonicalize_name(root), frozenset[str]())], set(), set(), 0
-    while todo:
-        name, extras = todo.pop()
-        if (name, extras) in seen or name in skip or name not in installed:
-            continue
-        seen.add((name, extras))
-        dist = installed[name]
-        for text in dist.requires or []:
-            req = Requirement(text)
-            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in {"", *extras}):
-                todo.append((canonicalize_name(req.name), frozenset(req.extras)))
-        if name in linked:
-            continue  # reached before with other extras: its files are there
-        linked.add(name)
-        for file in dist.files or []:
-            src = (source / file).resolve()
-            if not src.is_relative_to(source) or not src.is_file():
-                continue  # console scripts in bin/ (their shebang names the other venv)
-            dst = target / file
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
-            placed += 1
-    return placed
-
-
 @pytest.mark.slow
-def test_installing_the_wheels_keeps_the_users_torch(dists, tmp_path):
+def test_installing_the_wheels_keeps_the_users_torch(dists, tmp_path, link_installed):
     """A venv that already holds torch 2.14.1 (not the locked 2.13.0): pip installs the wheels of
     rlpost-core[test], rlpost-weightsync and rlpost-buffer from the build, keeps that torch (with
     the old ``torch==2.13.0`` pin pip replaced it), and those packages' own tests pass there."""
@@ -295,7 +256,7 @@ def test_installing_the_wheels_keeps_the_users_torch(dists, tmp_path):
         if sglang_site is not None:
             (site,) = env_dir.glob("lib/python*/site-packages")
             locked = set(_constraints()) - {"torch"}
-            assert _link_installed(sglang_site, site, "torch", locked) > 1000
+            assert link_installed(sglang_site, site, "torch", locked) > 1000
         pip("-q", f"torch=={OTHER_TORCH}")
         out = pip(
             "--find-links", str(dists), "rlpost-core[test]", "rlpost-weightsync", "rlpost-buffer"
