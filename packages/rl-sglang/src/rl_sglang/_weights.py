@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import torch
 
-from rl_core.errors import GenerationError, WeightSyncError
+from rl_core.errors import ConfigError, GenerationError, WeightSyncError
 from rl_core.moe_weights import has_fused_experts, is_fused_expert_name, unfuse_expert_tensors
 from rl_core.types import WeightUpdate
 from rl_sglang._fleet import ServerFleet
@@ -71,7 +71,7 @@ class WeightUpdater:
         (reloaded after a memory release when no update happened yet); ``tensor_push``: one of
         :data:`TENSOR_PUSH_MODES`."""
         if tensor_push not in TENSOR_PUSH_MODES:
-            raise GenerationError(
+            raise ConfigError(
                 f"SGLangGenerator.Config.tensor_push: {tensor_push!r} is not one of "
                 f"{TENSOR_PUSH_MODES}."
             )
