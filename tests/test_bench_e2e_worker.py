@@ -46,6 +46,4 @@ def test_sft_and_two_rl_steps_record_the_eval_curve_and_the_chosen_defaults(tmp_
     assert rl["auto_choices"]["runtime.generator_process"] is False
     # The eval timing wraps the trainer's eval for the worker's run only: this process's next
     # trainer (the rest of a test session) gets the module's own function back.
-    from rl_trainer.phases import eval as evaluation
-
     assert evaluation.evaluate is evaluate_before

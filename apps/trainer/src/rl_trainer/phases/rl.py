@@ -138,10 +138,8 @@ async def start(run_state: RunState) -> bool:
     }
     truncation.check_generator(cfg)
     models, sync = run_state.models, run_state.sync
-    models.policy, models.generator = await _build_policy_and_generator(
-        run_state, start_path, sampling
-    )
-    policy, generator = models.policy, models.generator
+    policy, generator = await _build_policy_and_generator(run_state, start_path, sampling)
+    models.policy, models.generator = policy, generator
     routing.check_support(cfg.rollout.routing_replay, policy, generator)
     if cfg.algorithm.use_reference and policy.lora is not None:
         models.reference = lora.BaseReference(policy)  # adapters off: no second model
