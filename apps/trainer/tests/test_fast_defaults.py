@@ -217,3 +217,52 @@ def test_check_says_what_the_run_will_choose(tmp_path) -> None:
     assert "chosen for this run: runtime.generator_process: True" in out.getvalue()
     mine = check_recipe(recipe_path("demo"), [*sets, "policy.compile_model=false"], rows=1)
     assert not any(c.startswith("policy.compile_model") for c in mine.chosen)
+
+
+def _gc_run(tiny_recipe_dict, run_dir, freeze: bool, seen: list[int], monkeypatch):
+    import gc
+
+    import rl_trainer.phases.rl as rl_phase
+
+    real = rl_phase.stages.train
+
+    def train(run_state, groups):
+        seen.append(gc.get_freeze_count())
+        return real(run_state, groups)
+
+    recipe = tiny_recipe_dict(
+        run_dir,
+        seed=5,
+        policy={"type": "hf", "lr": 0.01},
+        sft={"steps": 2},
+        rl={"steps": 3},
+        runtime={"freeze_gc": freeze},
+        eval={"every": 0},
+    )
+    trainer = Trainer(load_trainer_config(recipe))
+    with monkeypatch.context() as patch:
+        patch.setattr(rl_phase.stages, "train", train)
+        records = trainer.run()
+    weights = {n: t.detach().clone() for n, t in trainer.policy.named_weights()}
+    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
+    return rows, weights
+
+
+def test_the_gc_freeze_is_on_while_training_undone_at_the_end_and_changes_nothing(
+    tiny_recipe_dict, tmp_path, monkeypatch
+):
+    """``runtime.freeze_gc`` (default on): every RL step trains with the built objects frozen
+    out of the collector's passes, the run's end gives them back (nothing stays frozen in
+    the process), and the records and final weights are those of a run without it."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    on_seen: list[int] = []
+    off_seen: list[int] = []
+    on, w_on = _gc_run(tiny_recipe_dict, tmp_path / "on", True, on_seen, monkeypatch)
+    assert gc.get_freeze_count() == 0
+    off, w_off = _gc_run(tiny_recipe_dict, tmp_path / "off", False, off_seen, monkeypatch)
+    assert len(on_seen) == 3 and all(n > 1000 for n in on_seen)
+    assert off_seen == [0, 0, 0]
+    assert on == off
+    assert all(torch.equal(w_on[k], w_off[k]) for k in w_on)

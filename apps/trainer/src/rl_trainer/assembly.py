@@ -342,7 +342,9 @@ async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> 
         threads = int(spec.options.get("threads") or cfg.threads)  # the child's torch threads
         # Spawned now; it boots in its own process while this one waits in a worker thread (the
         # RL phase builds the policy meanwhile: rl_trainer.phases.rl).
-        generator = ProcessGenerator(spec, threads=threads, wait=False)
+        generator = ProcessGenerator(
+            spec, threads=threads, wait=False, freeze_gc=cfg.runtime.freeze_gc
+        )
         try:
             await asyncio.to_thread(generator.wait_ready)
         except BaseException:

@@ -566,6 +566,13 @@ class RuntimeConfig:
     which glibc otherwise keeps (1.4-1.8 GB on SmolLM2-135M, issue #36). Values are unchanged.
     This process only: on the ``ray`` runtime the ``hf`` policy ranks trim after each train
     step themselves (``policy.trim_host_memory``)."""
+    freeze_gc: bool = True
+    """Once each phase has built its models, move every object this process holds to the
+    garbage collector's permanent generation (``gc.freeze``), and back when the run ends
+    (:class:`rl_core.memory.FrozenObjects`; a generator process does the same once built).
+    Python's full collections otherwise walk the ~370k objects of torch, transformers and the
+    models, holding the GIL (~0.1-0.3 s each) while the trainer and generator threads wait.
+    Values are unchanged; ``false`` keeps the collector as Python sets it."""
     generator_process: bool | None = None
     """``local`` runtime: run the generator (a backend taking weights through
     ``load_weights``: ``hf``) in a spawned process of its own instead of in this one, so its

@@ -41,6 +41,7 @@ from rl_core.config import ComponentSpec, from_dict
 from rl_core.errors import ConfigError, GenerationError, RLError
 from rl_core.interfaces import Generator, WeightTransport
 from rl_core.lora import adapter_of
+from rl_core.memory import FrozenObjects
 from rl_core.types import GenerationRequest, GenerationResult, WeightUpdate
 
 __all__ = ["ProcessGenerator", "check_process_generator"]
@@ -93,11 +94,13 @@ class ProcessGenerator(Generator):
         threads: int,
         start_timeout_s: float = 300.0,
         wait: bool = True,
+        freeze_gc: bool = True,
     ):
         """Spawn the child, build the generator from ``spec`` there with ``threads`` torch
         threads, and (``wait``) wait until it is ready. With ``wait=False`` the child is
         spawned and boots while the caller goes on; :meth:`wait_ready` waits for it (every
-        other method needs it ready).
+        other method needs it ready). ``freeze_gc``: the child freezes what it built out of
+        the garbage collector's passes (``runtime.freeze_gc``, :class:`rl_core.memory.FrozenObjects`).
 
         Raises:
             ConfigError: the backend cannot run in a child (:func:`check_process_generator`).
@@ -108,7 +111,10 @@ class ProcessGenerator(Generator):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_serve, args=(child_conn, spec, threads), name="rl-generator", daemon=True
+            target=_serve,
+            args=(child_conn, spec, threads, freeze_gc),
+            name="rl-generator",
+            daemon=True,
         )
         self._proc.start()
         child_conn.close()
@@ -340,7 +346,7 @@ def _rebuild_error(payload: tuple[str, str, bytes | None]) -> BaseException:
     return GenerationError(f"generator process: {name}: {text}")
 
 
-def _serve(conn: Any, spec: ComponentSpec, threads: int) -> None:
+def _serve(conn: Any, spec: ComponentSpec, threads: int, freeze_gc: bool = True) -> None:
     """The child: build the generator, then serve commands until ``close`` or a closed pipe.
 
     It ignores SIGINT and SIGTERM: Ctrl-C (or a scheduler) signals the whole process group, and
@@ -354,6 +360,7 @@ def _serve(conn: Any, spec: ComponentSpec, threads: int) -> None:
     except BaseException as e:  # reported to the parent, which raises
         conn.send((-1, False, f"{type(e).__name__}: {e}"))
         return
+    FrozenObjects(enabled=freeze_gc).freeze()  # lives until os._exit: never thawed
     conn.send((-1, True, generator.weight_version))
     asyncio.run(_Child(conn, generator).run())
     # Closed (or orphaned): nothing is left to do, and the parent's ``close`` waits for this

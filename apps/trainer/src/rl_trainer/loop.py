@@ -48,6 +48,7 @@ import torch
 from rl_buffer.failures import FailureLog
 from rl_core.config import to_dict
 from rl_core.interfaces import Critic, Generator, Policy, Tokenizer
+from rl_core.memory import FrozenObjects
 from rl_trainer.assembly import Components, assemble
 from rl_trainer.config import TrainerConfig
 from rl_trainer.defaults import thread_split
@@ -265,6 +266,7 @@ class Trainer:
         """Run the mode's phases in order (:func:`phases_for`) until one is stopped by a
         signal; everything built is closed whatever happens."""
         run, cfg = self.run_state, self.config
+        run.frozen = FrozenObjects(enabled=cfg.runtime.freeze_gc)
         run.start_records(
             MetricsLogger(
                 self.run_dir,
@@ -303,4 +305,5 @@ class Trainer:
             receiver.close()
         if run.runtime is not None:
             run.runtime.shutdown()
+        run.frozen.thaw()
         self.release_run_dir()

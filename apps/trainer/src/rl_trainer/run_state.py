@@ -29,6 +29,7 @@ from rl_agents.resumable import ResumableGenerator
 from rl_buffer.failures import FailureLog
 from rl_core.errors import RLError
 from rl_core.interfaces import Critic, Generator, Policy, Tokenizer, WeightTransport
+from rl_core.memory import FrozenObjects
 from rl_core.types import LogProbOutput, TrainBatch
 from rl_trainer.assembly import Components
 from rl_trainer.config import TrainerConfig
@@ -209,6 +210,9 @@ class RunState:
     """The rollout pipeline of an async RL phase (``rl.async_generation``), else ``None``."""
     train_thread: concurrent.futures.ThreadPoolExecutor | None = None
     """The thread the policy trains in while the pipeline generates (async mode)."""
+    frozen: FrozenObjects = field(default_factory=lambda: FrozenObjects(enabled=False))
+    """What the phases built, kept out of the garbage collector's passes until the run ends
+    (``runtime.freeze_gc``); :class:`~rl_trainer.loop.Trainer` sets it when the run starts."""
     handover: DeviceHandover | None = None
     """The colocated hand-over of device memory (:mod:`rl_trainer.step.offload`), RL phase."""
     replay: RoundSource | None = None

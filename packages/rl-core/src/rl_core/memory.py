@@ -1,4 +1,5 @@
-"""Returning the C allocator's freed memory to the system (glibc ``malloc_trim``).
+"""Host memory of a long run: the C allocator's freed memory returned to the system (glibc
+``malloc_trim``), and the objects a run builds kept out of the garbage collector's full passes.
 
 A train step on CPU allocates and frees gigabytes of temporaries (activations, logits, gradients).
 glibc keeps what is freed in its arenas for reuse, and raises its mmap threshold after the first
@@ -12,6 +13,25 @@ generator)::
     from rl_core.memory import trim_host_memory
 
     trim_host_memory()  # True on glibc; a no-op returning False elsewhere
+
+Python's cyclic garbage collector walks every tracked object in a full (oldest-generation)
+collection, holding the GIL throughout. After the imports of torch and transformers a trainer
+process tracks ~370k objects: a full collection took ~0.26 s (20 of them in a 200-step demo run,
+~5 s, on 2 loaded cores) and stalled every thread, the training one included. What a run builds
+before its loop (modules, models, configs) lives until the run ends, so
+:class:`FrozenObjects` moves it to the collector's permanent generation (``gc.freeze``) and back
+at the end (``gc.unfreeze``): the full collections then walk only what the loop allocated.
+Each freeze collects first, so no garbage is frozen; what dies while frozen is freed as usual
+by its reference count, and only reference cycles among frozen objects wait for the next
+freeze or the thaw::
+
+    from rl_core.memory import FrozenObjects
+
+    frozen = FrozenObjects()
+    ...  # build the models
+    frozen.freeze()
+    ...  # the loop
+    frozen.thaw()
 """
 
 from __future__ import annotations
@@ -19,10 +39,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
 from typing import Any
 
-__all__ = ["trim_host_memory"]
+__all__ = ["FrozenObjects", "trim_host_memory"]
 
 
 @functools.cache
@@ -52,3 +73,38 @@ def trim_host_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+class FrozenObjects:
+    """Keeps the objects a run built out of the cyclic garbage collector's passes until the run
+    ends (module docstring): :meth:`freeze` after each build, :meth:`thaw` at the end.
+
+    A process that froze objects itself before (``gc.get_freeze_count() > 0`` when this is
+    made) is left as it is: both methods are then no-ops, so its own freeze is never undone.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        """``enabled=False`` makes both methods no-ops (the run's ``runtime.freeze_gc``)."""
+        self.enabled = enabled and gc.get_freeze_count() == 0
+        """Whether this object freezes: asked for, and nothing in the process was frozen."""
+        self.frozen = False
+        """Whether objects are frozen now by :meth:`freeze`."""
+
+    def freeze(self) -> None:
+        """Collect the garbage, then move every object the collector tracks to its permanent
+        generation. Call it again after a later build: what an earlier freeze held is given
+        back first, so what the later build replaced (a warm-up's policy) is collected, not
+        kept frozen. One full collection per call (~0.1-0.3 s in a trainer process)."""
+        if self.enabled:
+            if self.frozen:
+                gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+            self.frozen = True
+
+    def thaw(self) -> None:
+        """Give the frozen objects back to the collector (its oldest generation); cycles among
+        them are collected by its next full pass."""
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False

@@ -155,6 +155,7 @@ async def start(run_state: RunState) -> bool:
         models.critic = build_critic(cfg, runtime, start_path)
     sync.transport, sync.receiver = build_transports(cfg, runtime, start_path)
     load_resumed_models(run_state.resume, models)
+    run_state.frozen.freeze()  # what this phase built lives to its end (runtime.freeze_gc)
     counters = run_state.counters
     counters.first_version = policy.version - counters.rl_step * cfg.rl.updates_per_step
     if generator.weight_version != policy.version:
