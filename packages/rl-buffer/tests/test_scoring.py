@@ -291,6 +291,30 @@ def test_main_thread_rewards_run_inline(text_group, char_tokenizer):
     assert threads == ["MainThread", "rl-user-call"]
 
 
+def test_inline_rewards_run_on_the_calling_thread_without_a_worker(text_group, char_tokenizer):
+    """A reward whose ``inline`` attribute is true (the trainer's built-in tasks) is called on the
+    event loop's thread, in rollout order, with no worker thread started for it; its failures
+    are counted as any reward's."""
+    seen: list[tuple[str, str]] = []
+
+    class Quick:
+        inline = True
+
+        def __call__(self, prompt, response, rollout=None):
+            seen.append((threading.current_thread().name, response))
+            if response == "bad":
+                raise ValueError("no score")
+            return 1.0
+
+    before = {t.name for t in threading.enumerate()}
+    scorer = Scorer(Quick(), char_tokenizer, timeout_s=5)
+    stats = RolloutStats()
+    asyncio.run(scorer.score([text_group("p", ["a", "bad", "c"])], stats))
+    assert seen == [("MainThread", "a"), ("MainThread", "bad"), ("MainThread", "c")]
+    assert "rl-user-call" not in {t.name for t in threading.enumerate()} - before
+    assert stats.failed == {"reward_error": 1}
+
+
 def test_a_hung_reward_is_abandoned_soon_after_a_registered_stop(text_group, char_tokenizer):
     """No per-call limit: only the stop check registered with :mod:`rl_buffer.bounded` (as
     the trainer's SIGTERM handler registers itself) gives up on the hung call, STOP_GRACE_S

@@ -20,7 +20,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rl_core.config import NonNegInt, PositiveInt, Probability, Seed
 from rl_core.errors import ConfigError
@@ -71,6 +71,10 @@ def _split(make, n_train: int, n_eval: int, seed: int) -> dict[str, list]:
 class ReverseTask(Task):
     """Reverse a short string of letters: ``"abcd="`` -> ``"dcba"``."""
 
+    inline: ClassVar[bool] = True
+    """Scored inline on the event loop, not in the reward worker thread: the score is string
+    arithmetic on one response, quick and bounded (:mod:`rl_buffer.bounded`)."""
+
     @dataclass(kw_only=True, slots=True)
     class Config:
         """Settings of the reverse task."""
@@ -110,6 +114,10 @@ class ReverseTask(Task):
 
 class AdditionTask(Task):
     """Add two numbers: ``"12+7="`` -> ``"19"``."""
+
+    inline: ClassVar[bool] = True
+    """Scored inline on the event loop, not in the reward worker thread: the score is string
+    arithmetic on one response, quick and bounded (:mod:`rl_buffer.bounded`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -164,6 +172,10 @@ class CalculatorTask(Task):
     """The final answer: the last ``ANSWER: <value>`` of a response."""
     CALL = re.compile(r"CALC:\s*([^\n]+)")
     """A tool call line."""
+
+    inline: ClassVar[bool] = True
+    """Scored inline on the event loop, not in the reward worker thread: the score is string
+    arithmetic on one response, quick and bounded (:mod:`rl_buffer.bounded`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:

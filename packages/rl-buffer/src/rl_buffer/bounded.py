@@ -11,7 +11,11 @@ the call instead of waiting for it:
 - an ``async`` function runs as a task on the event loop and is cancelled past its deadline;
 - a function whose ``main_thread`` attribute is true (:class:`~rl_core.rewards.math_answer.MathEquiv`,
   whose own timeout is ``SIGALRM``, which only the main thread gets) is called inline, bounded
-  by that timeout alone.
+  by that timeout alone;
+- a function whose ``inline`` attribute is true is called inline with no limit: for functions
+  bounded by their input and quick (the trainer's built-in tasks, :mod:`rl_trainer.tasks`:
+  string arithmetic on one response), where the worker thread's hand-off would cost more than
+  the call and hold the GIL the training thread needs (256 hand-offs per step on the demo).
 
 A call is also abandoned once it has run :data:`STOP_GRACE_S` after a stop was requested
 (:func:`stop_requested`: a check registered with :func:`add_stop_check`, e.g. the trainer's
@@ -192,11 +196,12 @@ class BoundedCaller:
         """``fn(*args)``, awaited if it returns an awaitable; :class:`CallAbandoned` when it
         runs past ``timeout_s``, past ``deadline`` (a :func:`time.monotonic` time) or on in a
         stopping run."""
-        if is_async(fn):
-            return await self._await(fn(*args), deadline)
-        if getattr(fn, "main_thread", False):  # bounded by its own (signal-based) timeout
+        if getattr(fn, "inline", False) or getattr(fn, "main_thread", False):
+            # quick and bounded by its input, or bounded by its own (signal-based) timeout
             value = fn(*args)
             return await self._await(value, deadline) if inspect.isawaitable(value) else value
+        if is_async(fn):
+            return await self._await(fn(*args), deadline)
         job = self._runner.submit(fn, args)
         value = await self._wait(
             job.future,
