@@ -9,9 +9,7 @@ end; its final weights must equal, bit for bit, those of the same run left alone
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,21 +36,9 @@ SHORT = (
 )
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.Popen:
-    """``rl-train ARGS`` in a subprocess (one torch thread) with working directory ``cwd``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rl_trainer.cli", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _ok(*args: str, cwd: Path) -> str:
-    proc = _cli(*args, cwd=cwd)
+def _ok(cli, *args: str, cwd: Path) -> str:
+    """``rl-train ARGS`` (the ``cli`` fixture: one torch thread) in ``cwd``; its output."""
+    proc = cli(*args, cwd=cwd)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"rl-train {' '.join(args)} exited {proc.returncode}:\n{out}"
     return out
@@ -71,13 +57,13 @@ def _rl_steps_logged(run_dir: Path) -> int:
     return sum(r.get("phase") == "rl" and r.get("step", 0) > 0 for r in rows)
 
 
-def test_new_check_run_stop_resume(tmp_path):
+def test_new_check_run_stop_resume(tmp_path, cli):
     home = tmp_path / "home"  # where the user creates the task
     elsewhere = tmp_path / "elsewhere"  # where the user runs it from
     home.mkdir()
     elsewhere.mkdir()
 
-    _ok("new", "mytask", cwd=home)
+    _ok(cli, "new", "mytask", cwd=home)
     task = home / "mytask"
     assert sorted(p.name for p in task.iterdir()) == [
         "README.md",
@@ -86,15 +72,15 @@ def test_new_check_run_stop_resume(tmp_path):
         "reward.py",
         "train.jsonl",
     ]
-    out = _ok("check", "mytask/recipe.yaml", cwd=home)
+    out = _ok(cli, "check", "mytask/recipe.yaml", cwd=home)
     assert "check passed" in out and "<|im_start|>assistant" in out
 
     recipe = task / "recipe.yaml"
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    _ok(*_run_args(recipe, straight), cwd=elsewhere)
+    _ok(cli, *_run_args(recipe, straight), cwd=elsewhere)
 
     # Stop the second run with SIGTERM once it is two RL steps in (8 steps still to go).
-    proc = _cli(*_run_args(recipe, stopped), cwd=elsewhere)
+    proc = cli(*_run_args(recipe, stopped), cwd=elsewhere)
     deadline = time.time() + 300
     while _rl_steps_logged(stopped) < 2:
         if proc.poll() is not None:
@@ -109,7 +95,7 @@ def test_new_check_run_stop_resume(tmp_path):
     assert not (stopped / "final_model").exists(), "the stopped run must not look finished"
     assert 2 <= _rl_steps_logged(stopped) < 10
 
-    _ok(*_run_args(recipe, stopped), "--resume", cwd=elsewhere)
+    _ok(cli, *_run_args(recipe, stopped), "--resume", cwd=elsewhere)
 
     wa = load_file(str(straight / "final_model" / "model.safetensors"))
     wb = load_file(str(stopped / "final_model" / "model.safetensors"))
@@ -123,13 +109,13 @@ def test_new_check_run_stop_resume(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_template_learns_in_a_short_run(tmp_path):
+def test_template_learns_in_a_short_run(tmp_path, cli):
     """The generated recipe as is: the training reward rises (tests/learning_checks.py
     ``template``: its margin over seeds is too thin for ``make test``, where the demo recipe's
     learning test checks that GRPO learns the same task)."""
-    _ok("new", "mytask", cwd=tmp_path)
+    _ok(cli, "new", "mytask", cwd=tmp_path)
     run_dir = tmp_path / "run"
     sets = ["--set", f"run_dir={run_dir}", "--set", "logging.progress=false"]
-    _ok("run", "mytask/recipe.yaml", "--no-report", *sets, cwd=tmp_path)
+    _ok(cli, "run", "mytask/recipe.yaml", "--no-report", *sets, cwd=tmp_path)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert_learns("template", rows)
