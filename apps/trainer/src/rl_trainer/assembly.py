@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from rl_buffer.filters import GuardedFilter
 from rl_buffer.sampler import DynamicSampler
@@ -55,11 +56,14 @@ __all__ = [
     "assemble",
     "build_critic",
     "build_generator",
+    "build_generator_beside",
     "build_policy",
     "build_transports",
     "free_port",
     "report_auto_choices",
 ]
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -321,6 +325,40 @@ def build_critic(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     return registry.build("critic", spec, field="critic")
 
 
+def _boots_in_child(cfg: TrainerConfig, runtime: Any) -> bool:
+    """Whether the generator is a :class:`~rl_trainer.generator_process.ProcessGenerator`
+    (``runtime.generator_process`` on the local runtime)."""
+    return runtime is None and generator_process(cfg)
+
+
+async def build_generator_beside(
+    cfg: TrainerConfig, runtime: Any, model_path: str, build: Callable[[], T]
+) -> tuple[T, Any]:
+    """``build()`` (the RL phase's policy) and :func:`build_generator`'s generator.
+
+    A generator process is spawned first and boots (imports, model load: seconds) in its own
+    process while ``build()`` runs in this one, so the two start-ups overlap instead of adding
+    up. Any other generator is built after ``build()``, in this process. If ``build()``
+    raises, a started generator is closed before its error propagates.
+    """
+    if not _boots_in_child(cfg, runtime):
+        made = build()
+        return made, await build_generator(cfg, runtime, model_path)
+    booting = asyncio.ensure_future(build_generator(cfg, runtime, model_path))
+    await asyncio.sleep(0)  # the task spawns the child, then waits for it in a worker thread
+    try:
+        made = build()
+    except BaseException:
+        try:
+            generator = await booting
+        except BaseException:  # build()'s error is the one to report
+            pass
+        else:
+            await generator.close()
+        raise
+    return made, await booting
+
+
 async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> Any:
     """The generator serving ``model_path`` (on the ``ray`` runtime: the engine pool, and the
     weight transport's receivers in it). It must be able to abort requests for partial
@@ -336,12 +374,12 @@ async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> 
     if runtime is not None:
         generator = runtime.build_generator(spec)
         await runtime.build_transport(transport_spec(cfg, model_path))
-    elif generator_process(cfg):
+    elif _boots_in_child(cfg, runtime):
         from rl_trainer.generator_process import ProcessGenerator
 
         threads = int(spec.options.get("threads") or cfg.threads)  # the child's torch threads
-        # Spawned now; it boots in its own process while this one waits in a worker thread (the
-        # RL phase builds the policy meanwhile: rl_trainer.phases.rl).
+        # Spawned now; it boots in its own process while this one waits in a worker thread
+        # (build_generator_beside builds the policy meanwhile).
         generator = ProcessGenerator(
             spec, threads=threads, wait=False, freeze_gc=cfg.runtime.freeze_gc
         )

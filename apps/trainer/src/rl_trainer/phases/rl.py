@@ -25,11 +25,11 @@ from rl_core.errors import ConfigError, RLError
 from rl_core.memory import trim_host_memory
 from rl_trainer.assembly import (
     build_critic,
-    build_generator,
+    build_generator_beside,
     build_policy,
     build_transports,
 )
-from rl_trainer.defaults import generator_process, thread_split
+from rl_trainer.defaults import thread_split
 from rl_trainer.lifecycle import state as checkpoints
 from rl_trainer.lifecycle.state import load_resumed_models
 from rl_trainer.ops import samples
@@ -94,36 +94,6 @@ async def run(run_state: RunState) -> bool:
     return False
 
 
-async def _build_policy_and_generator(
-    run_state: RunState, start_path: str, sampling: dict[str, Any]
-) -> tuple[Any, Any]:
-    """The policy and the generator of the RL phase, both from ``start_path``.
-
-    A generator process (``runtime.generator_process``) is spawned first and boots (imports,
-    model load: seconds) in its own process while this one builds the policy (and compiles it,
-    when it compiles): the two start-ups overlap instead of adding up. Every other generator is
-    built after the policy, in this process, as before. If the policy cannot be built, the
-    started generator is closed before the error propagates.
-    """
-    cfg, runtime = run_state.config, run_state.runtime
-    if runtime is not None or not generator_process(cfg):
-        policy = build_policy(cfg, runtime, start_path, **sampling)
-        return policy, await build_generator(cfg, runtime, start_path)
-    booting = asyncio.ensure_future(build_generator(cfg, runtime, start_path))
-    await asyncio.sleep(0)  # the task spawns the child, then waits for it in a worker thread
-    try:
-        policy = build_policy(cfg, runtime, start_path, **sampling)
-    except BaseException:
-        try:
-            generator = await booting
-        except BaseException:  # the policy's error is the one to report
-            pass
-        else:
-            await generator.close()
-        raise
-    return policy, await booting
-
-
 async def start(run_state: RunState) -> bool:
     """Build the RL phase's models from the start checkpoint (policy, generator and reference
     share version 0), load a resumed checkpoint, bring the generator to the policy's weights
@@ -138,7 +108,10 @@ async def start(run_state: RunState) -> bool:
     }
     truncation.check_generator(cfg)
     models, sync = run_state.models, run_state.sync
-    policy, generator = await _build_policy_and_generator(run_state, start_path, sampling)
+    # a generator process boots while this process builds (and compiles) the policy
+    policy, generator = await build_generator_beside(
+        cfg, runtime, start_path, lambda: build_policy(cfg, runtime, start_path, **sampling)
+    )
     models.policy, models.generator = policy, generator
     routing.check_support(cfg.rollout.routing_replay, policy, generator)
     if cfg.algorithm.use_reference and policy.lora is not None:
