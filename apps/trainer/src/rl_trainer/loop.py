@@ -282,7 +282,10 @@ class Trainer:
                 if await phase(run):
                     break
         finally:
-            await self._close()
+            try:
+                await self._close()
+            finally:
+                run.frozen.thaw()  # even when closing failed: never leave the process frozen
         return run.records
 
     async def _close(self) -> None:
@@ -305,5 +308,4 @@ class Trainer:
             receiver.close()
         if run.runtime is not None:
             run.runtime.shutdown()
-        run.frozen.thaw()
         self.release_run_dir()
