@@ -311,10 +311,11 @@ def packed_sdpa_forward(
             dropout_p=dropout,
             scale=scaling,
         )
-    else:
+    elif q_NHLD.device.type == "cpu":
         # Grouped-query heads read their key/value head in the kernel (enable_gqa) instead of
         # from a repeated copy: the same values (bitwise on CPU's flash kernel at 2 query
         # heads per key head), without the copy in the forward and its sum in the backward.
+        # CPU only: on CUDA, fp32 inputs would lose the memory-efficient kernel (no GQA there).
         out_NHLD = torch.nn.functional.scaled_dot_product_attention(
             q_NHLD,
             to_padded(k_1KTD),
@@ -323,6 +324,15 @@ def packed_sdpa_forward(
             scale=scaling,
             is_causal=True,
             enable_gqa=n_rep > 1,
+        )
+    else:
+        out_NHLD = torch.nn.functional.scaled_dot_product_attention(
+            q_NHLD,
+            _repeat_kv(to_padded(k_1KTD), n_rep),
+            _repeat_kv(to_padded(v_1KTD), n_rep),
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=True,
         )
     out_SHD = out_NHLD.transpose(1, 2).reshape(n * length, out_NHLD.shape[1], out_NHLD.shape[3])
     return out_SHD.index_select(0, info.out_index_T)[None], None
