@@ -36,12 +36,18 @@ setup: $(VENV)/.installed
 # build). Bytecode stays compiled at install (no --no-compile): where PYTHONDONTWRITEBYTECODE is
 # set (as on this project's machines), every test process would otherwise compile torch & co.
 # from source (measured: the test stack's imports took 11 s instead of 5 s per process).
-$(VENV)/.installed: $(PKG_FILES) $(CONSTRAINTS) Makefile
+# The four `pip install`s (separated by ::) run through scripts/wheelhouse.sh: the first time
+# their wheels are downloaded once into ~/.cache/rl-wheels/<key> (key: a hash of constraints.txt,
+# the packages' pyproject.toml, Python, pip's configuration and these arguments), afterwards a
+# fresh clone installs them from there without the network, to the same versions; RL_WHEELS=0
+# runs the plain networked installs.
+$(VENV)/.installed: $(PKG_FILES) $(CONSTRAINTS) Makefile scripts/wheelhouse.sh
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip==$(PIP_VERSION)
-	$(PIP) install -q -c $(CONSTRAINTS) $(BUILD_BACKEND)
-	$(PIP) install -q -c $(CONSTRAINTS) --no-build-isolation torch $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS)
-	$(PIP) install -q --no-deps $(COOKBOOK)
+	bash scripts/wheelhouse.sh $(BIN)/python \
+	  --upgrade pip==$(PIP_VERSION) :: \
+	  -c $(CONSTRAINTS) $(BUILD_BACKEND) :: \
+	  -c $(CONSTRAINTS) --no-build-isolation torch $(EDITABLES) $(TOOLS) $(COOKBOOK_DEPS) :: \
+	  --no-deps $(COOKBOOK)
 	@touch $@
 
 # Re-resolve the environment from the packages' version ranges in a scratch venv and record the
