@@ -164,6 +164,55 @@ def release_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release
         builds.close()
 
 
+_FORK_SITE = '''"""Test-only (root conftest.py, ``sglang_forked_start``): SGLang's CPU patches, then its
+server processes forked from the launcher instead of spawned."""
+
+import multiprocessing
+import runpy
+
+runpy.run_path({original!r}, run_name="sitecustomize")
+_set_start_method = multiprocessing.set_start_method
+
+
+def set_start_method(method, force=False):
+    return _set_start_method("fork" if method == "spawn" else method, force=force)
+
+
+multiprocessing.set_start_method = set_start_method
+'''
+
+
+@pytest.fixture(scope="session")
+def sglang_forked_start(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """``with sglang_forked_start(): SGLangGenerator(...)``: the CPU servers launched inside the
+    block fork their scheduler and detokenizer from the launcher, which has imported SGLang,
+    instead of spawning them (SGLang forces ``spawn``): each then skips its own import of SGLang,
+    torch and transformers, ~20 s of a ~38 s server start on two loaded cores (measured with the
+    tiny model: 37.7 s -> 17-18 s). The launch is otherwise SGLang's: the block swaps
+    ``rl_sglang._cpu_support.cpu_site_dir`` for a folder whose ``sitecustomize`` runs rl-sglang's
+    own (the CPU patches) and then maps ``set_start_method("spawn")`` to ``"fork"``. For tests of
+    what a server computes (routing, log-prob parity); the session server of rl-sglang's tests
+    and the servers ``rl-train`` launches keep SGLang's spawned processes (the path users run)."""
+    from rl_sglang import _cpu_support
+
+    site = tmp_path_factory.mktemp("sglang-fork-site")
+    original = _cpu_support.cpu_site_dir() / "sitecustomize.py"
+    (site / "sitecustomize.py").write_text(_FORK_SITE.format(original=str(original)))
+
+    @contextlib.contextmanager
+    def forked() -> Iterator[None]:
+        patch = pytest.MonkeyPatch()
+        patch.setattr(_cpu_support, "cpu_site_dir", lambda: site)
+        try:
+            yield
+        finally:
+            patch.undo()
+
+    return forked
+
+
 def _link_installed(source: Path, target: Path, root: str, skip: set[str]) -> int:
     """Hard-link the installed distribution ``root`` and, transitively, every requirement of it
     that ``source`` (a site-packages) holds, except the names in ``skip``, into the site-packages

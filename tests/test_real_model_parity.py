@@ -281,21 +281,28 @@ def sglang_python(untimed) -> str:
     ],
 )
 def test_sglang_cpu_engine_logprobs_match_the_trainer(
-    dtype: str, smollm2: Path, reference: HFPolicy, sglang_python: str, tmp_path: Path
+    dtype: str,
+    smollm2: Path,
+    reference: HFPolicy,
+    sglang_python: str,
+    tmp_path: Path,
+    sglang_forked_start,
 ) -> None:
     """SGLang (CPU engine) samples; its log-probs of its own tokens against HFPolicy fp32, and
-    MegatronPolicy fp32 at TP=1 on the same tokens."""
+    MegatronPolicy fp32 at TP=1 on the same tokens. (The server's scheduler is forked from its
+    launcher: root conftest's ``sglang_forked_start``.)"""
     from rl_sglang import SGLangGenerator
 
-    gen = SGLangGenerator(
-        SGLangGenerator.Config(
-            model_path=str(smollm2),
-            python=sglang_python,
-            log_dir=str(tmp_path / "logs"),
-            server_args={"log_level": "warning", "dtype": dtype},
-            seed=1,
+    with sglang_forked_start():
+        gen = SGLangGenerator(
+            SGLangGenerator.Config(
+                model_path=str(smollm2),
+                python=sglang_python,
+                log_dir=str(tmp_path / "logs"),
+                server_args={"log_level": "warning", "dtype": dtype},
+                seed=1,
+            )
         )
-    )
     try:
         batch = batch_of(sample(gen, chat_prompts(reference.tokenizer)))
     finally:

@@ -5,7 +5,8 @@ the same weights. One server for the module (about a minute to start)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,19 +27,24 @@ def moe_model(tiny_moe: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_gen(
-    sglang_python: str, moe_model: Path, tmp_path_factory: pytest.TempPathFactory
+    sglang_python: str,
+    moe_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    sglang_forked_start: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> Iterator[SGLangGenerator]:
-    """A generator owning one CPU server of the MoE model with routing capture on."""
-    gen = SGLangGenerator(
-        SGLangGenerator.Config(
-            model_path=str(moe_model),
-            python=sglang_python,
-            log_dir=str(tmp_path_factory.mktemp("sglang-moe-logs")),
-            server_args={"log_level": "warning", "max_total_tokens": 4096},
-            capture_routing=True,
-            health_interval_s=0,
+    """A generator owning one CPU server of the MoE model with routing capture on (its
+    scheduler forked from the launcher: root conftest's ``sglang_forked_start``)."""
+    with sglang_forked_start():
+        gen = SGLangGenerator(
+            SGLangGenerator.Config(
+                model_path=str(moe_model),
+                python=sglang_python,
+                log_dir=str(tmp_path_factory.mktemp("sglang-moe-logs")),
+                server_args={"log_level": "warning", "max_total_tokens": 4096},
+                capture_routing=True,
+                health_interval_s=0,
+            )
         )
-    )
     yield gen
     asyncio.run(gen.close())
 
