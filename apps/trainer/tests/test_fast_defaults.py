@@ -162,16 +162,15 @@ def test_the_run_says_what_it_chose() -> None:
     assert quiet.getvalue() == ""
 
 
-def _trim_run(tiny_recipe_dict, run_dir, trim: bool, calls: list[int], monkeypatch):
-    import rl_trainer.phases.rl as rl_phase
+def _trim_run(tiny_recipe_dict, run_dir, trim: bool, calls: list[int], monkeypatch, every=False):
+    import rl_core.memory as memory
 
-    real = rl_phase.trim_host_memory
+    real = memory.trim_host_memory
 
     def counting() -> bool:
         calls.append(1)
         return real()
 
-    monkeypatch.setattr(rl_phase, "trim_host_memory", counting)
     recipe = tiny_recipe_dict(
         run_dir,
         seed=5,
@@ -181,23 +180,33 @@ def _trim_run(tiny_recipe_dict, run_dir, trim: bool, calls: list[int], monkeypat
         eval={"every": 0},
     )
     trainer = Trainer(load_trainer_config(recipe))
-    records = trainer.run()
+    if every:  # trim after every step, whatever the growth
+        trainer.run_state.host_trim = memory.HostMemoryTrim(min_growth_bytes=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(memory, "trim_host_memory", counting)
+        records = trainer.run()
     weights = {n: t.detach().clone() for n, t in trainer.policy.named_weights()}
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
     return rows, weights
 
 
 def test_the_trim_per_rl_step_leaves_results_unchanged(tiny_recipe_dict, tmp_path, monkeypatch):
-    """The trainer trims once per RL step when on (not at all when off), and both runs log the
-    same records and end with bitwise the same weights."""
+    """The trainer trims after the first RL step and then only when the resident memory grew
+    by 256 MiB (the tiny model's steps never do); forced to trim after every step it trims 3
+    times; off, never. All three runs log the same records and end with bitwise the same
+    weights."""
     on_calls: list[int] = []
+    every_calls: list[int] = []
     off_calls: list[int] = []
     on, w_on = _trim_run(tiny_recipe_dict, tmp_path / "on", True, on_calls, monkeypatch)
+    every, w_every = _trim_run(
+        tiny_recipe_dict, tmp_path / "every", True, every_calls, monkeypatch, every=True
+    )
     off, w_off = _trim_run(tiny_recipe_dict, tmp_path / "off", False, off_calls, monkeypatch)
-    assert len(on_calls) == 3 and off_calls == []
-    assert on == off
+    assert len(on_calls) == 1 and len(every_calls) == 3 and off_calls == []
+    assert on == off == every
     assert w_on.keys() == w_off.keys()
-    assert all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    assert all(torch.equal(w_on[k], w_off[k]) and torch.equal(w_on[k], w_every[k]) for k in w_on)
 
 
 def test_check_says_what_the_run_will_choose(tmp_path) -> None:

@@ -1,6 +1,7 @@
 """``rl_core.memory``: ``trim_host_memory`` (glibc's ``malloc_trim`` returns freed arena memory to
 the system; live tensors keep their values) and ``FrozenObjects`` (what a run built kept out of
-the garbage collector's passes, and given back)."""
+the garbage collector's passes, and given back) and ``HostMemoryTrim`` (trims only when the
+resident memory grew enough to repay the page faults)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from rl_core.memory import FrozenObjects, trim_host_memory
+from rl_core.memory import FrozenObjects, HostMemoryTrim, resident_bytes, trim_host_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
@@ -89,3 +90,28 @@ def test_disabled_or_already_frozen_processes_are_left_alone(no_freeze) -> None:
     other.freeze()
     other.thaw()
     assert gc.get_freeze_count() == mine  # neither added to nor undone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim and statm: Linux")
+def test_host_memory_trim_trims_first_then_only_after_enough_growth(monkeypatch) -> None:
+    """The first call trims; later calls only once the resident memory grew by
+    ``min_growth_bytes`` since just after the last trim; memory given back lowers that mark."""
+    import rl_core.memory as memory
+
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "trim_host_memory", lambda: calls.append(1) or True)
+    trim = HostMemoryTrim(min_growth_bytes=48 * 2**20)
+    assert resident_bytes() is not None
+    assert trim() is True and calls == [1]
+    assert trim() is False and calls == [1]  # nothing grew
+    grown = bytearray(96 * 2**20)  # 96 MiB, zero-filled: resident
+    assert trim() is True and len(calls) == 2
+    assert trim() is False
+    del grown  # unmapped: the resident memory falls below the mark, which follows it down
+    assert trim() is False
+    regrown = bytearray(64 * 2**20)
+    assert trim() is True and len(calls) == 3  # 64 MiB above the lowered mark
+    del regrown
+    assert trim.trims == 3
+    every = HostMemoryTrim(min_growth_bytes=0)
+    assert [every() for _ in range(3)] == [True, True, True]

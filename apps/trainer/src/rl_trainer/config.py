@@ -560,10 +560,13 @@ class RuntimeConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of every actor."""
     trim_host_memory: bool = True
-    """Once per RL step, after training and the weight sync, return the memory the C allocator
-    holds freed to the system (glibc ``malloc_trim(0)``, :mod:`rl_core.memory`; a no-op
-    elsewhere): the step's temporaries of any policy backend and of an in-process generator,
-    which glibc otherwise keeps (1.4-1.8 GB on SmolLM2-135M, issue #36). Values are unchanged.
+    """After RL steps, once training and the weight sync are done, return the memory the C
+    allocator holds freed to the system (glibc ``malloc_trim(0)``, :mod:`rl_core.memory`; a
+    no-op elsewhere): the step's temporaries of any policy backend and of an in-process
+    generator, which glibc otherwise keeps (1.4-1.8 GB on SmolLM2-135M, issue #36). It trims
+    after the first step, then whenever the resident memory grew by 256 MiB or more since the
+    last trim (:class:`rl_core.memory.HostMemoryTrim`): a tiny model's few MB stay for the next
+    step instead of being faulted in again. Values are unchanged.
     This process only: on the ``ray`` runtime the ``hf`` policy ranks trim after each train
     step themselves (``policy.trim_host_memory``)."""
     freeze_gc: bool = True

@@ -29,7 +29,7 @@ from rl_agents.resumable import ResumableGenerator
 from rl_buffer.failures import FailureLog
 from rl_core.errors import RLError
 from rl_core.interfaces import Critic, Generator, Policy, Tokenizer, WeightTransport
-from rl_core.memory import FrozenObjects
+from rl_core.memory import FrozenObjects, HostMemoryTrim
 from rl_core.types import LogProbOutput, TrainBatch
 from rl_trainer.assembly import Components
 from rl_trainer.config import TrainerConfig
@@ -210,6 +210,9 @@ class RunState:
     """The rollout pipeline of an async RL phase (``rl.async_generation``), else ``None``."""
     train_thread: concurrent.futures.ThreadPoolExecutor | None = None
     """The thread the policy trains in while the pipeline generates (async mode)."""
+    host_trim: HostMemoryTrim = field(default_factory=HostMemoryTrim)
+    """The allocator trim once per RL step (``runtime.trim_host_memory``): after the first
+    step, only when the resident memory grew by 256 MiB or more since the last one."""
     frozen: FrozenObjects = field(default_factory=lambda: FrozenObjects(enabled=False))
     """What the phases built, kept out of the garbage collector's passes until the run ends
     (``runtime.freeze_gc``); :class:`~rl_trainer.loop.Trainer` sets it when the run starts."""

@@ -6,13 +6,28 @@ glibc keeps what is freed in its arenas for reuse, and raises its mmap threshold
 large free, so later large tensors also come from the arenas: the process's RSS stays near the
 step's peak between steps (on SmolLM2-135M 1.4-1.8 GB more than the live state, issue #36).
 ``malloc_trim(0)`` releases the free pages of every arena; the live tensors are not touched, so
-values are unchanged. Called by ``rl_hf.HFPolicy`` after each train step and by the trainer once
-per RL step (after training and the weight sync: it covers any policy backend and an in-process
-generator)::
+values are unchanged::
 
     from rl_core.memory import trim_host_memory
 
     trim_host_memory()  # True on glibc; a no-op returning False elsewhere
+
+A trim is not free: the next step touches those pages again and the kernel faults each one in
+and zeroes it (~1 us per 4 KiB page). On the demo's tiny model, where a step's temporaries are
+tens of MB, trimming after every step made the train step ~25% slower (thread CPU 72-77 ms
+without, 99-103 ms with). :class:`HostMemoryTrim` therefore trims once, then only when the
+process's resident memory grew by at least :data:`TRIM_MIN_GROWTH_BYTES` (256 MiB) since the last
+trim: SmolLM2-135M's 1.4-1.8 GB of retained temporaries are still returned after every step,
+a tiny model's are kept for the next step. ``rl_hf.HFPolicy`` uses one after each train step
+and the trainer one per RL step (after training and the weight sync: it covers any policy
+backend and an in-process generator)::
+
+    from rl_core.memory import HostMemoryTrim
+
+    trim = HostMemoryTrim()
+    for step in steps:
+        ...           # a train step
+        trim()        # True when it trimmed
 
 Python's cyclic garbage collector walks every tracked object in a full (oldest-generation)
 collection, holding the GIL throughout. After the imports of torch and transformers a trainer
@@ -40,10 +55,22 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 import sys
 from typing import Any
 
-__all__ = ["FrozenObjects", "trim_host_memory"]
+__all__ = [
+    "TRIM_MIN_GROWTH_BYTES",
+    "FrozenObjects",
+    "HostMemoryTrim",
+    "resident_bytes",
+    "trim_host_memory",
+]
+
+TRIM_MIN_GROWTH_BYTES = 256 * 2**20
+""":class:`HostMemoryTrim`'s default: the growth of the resident memory since the last trim from
+which the next trim pays for its page faults (re-faulting 256 MiB costs ~65k faults, well under
+the cost of a step whose temporaries are that large)."""
 
 
 @functools.cache
@@ -73,6 +100,45 @@ def trim_host_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (``/proc/self/statm``), or ``None`` where that file is
+    missing (not Linux)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostMemoryTrim:
+    """Calls :func:`trim_host_memory` the first time and then only when this process's resident
+    memory grew by at least ``min_growth_bytes`` since just after the last trim (module
+    docstring). Where the resident memory cannot be read, every call trims."""
+
+    def __init__(self, min_growth_bytes: int = TRIM_MIN_GROWTH_BYTES) -> None:
+        """``min_growth_bytes=0`` trims on every call."""
+        self.min_growth_bytes = min_growth_bytes
+        """The growth since the last trim from which the next call trims."""
+        self.trims = 0
+        """How many calls trimmed."""
+        self._after_trim: int | None = None
+
+    def __call__(self) -> bool:
+        """Trim when due; returns whether it trimmed (``False`` also without glibc)."""
+        if _malloc_trim() is None:
+            return False
+        rss = resident_bytes()
+        if self._after_trim is not None and rss is not None:
+            self._after_trim = min(self._after_trim, rss)  # memory given back meanwhile
+            if rss - self._after_trim < self.min_growth_bytes:
+                return False
+        trim_host_memory()
+        self._after_trim = resident_bytes()
+        self.trims += 1
+        return True
 
 
 class FrozenObjects:

@@ -40,7 +40,7 @@ from rl_core.errors import CheckpointError, ConfigError, RLError, WeightSyncErro
 from rl_core.interfaces import LossFn, Policy
 from rl_core.logprobs import linear_logprobs
 from rl_core.lora import LoRAConfig
-from rl_core.memory import trim_host_memory
+from rl_core.memory import HostMemoryTrim
 from rl_core.offload import Offloadable, OffloadConfig, TrackedTensors
 from rl_core.types import LogProbOutput, ModelShape, TrainBatch
 from rl_hf._allocator import MMAP_THRESHOLD_MAX, set_mmap_threshold
@@ -154,10 +154,13 @@ class HFPolicy(Offloadable, Policy):
         compilation: one block's compile, the faster step on the demo model), ``"model"`` the
         whole forward (one graph; slower to compile)."""
         trim_host_memory: bool = True
-        """After each ``train_step``, return the memory the C allocator holds freed (the step's
-        temporaries) to the system: glibc ``malloc_trim(0)`` on Linux, a no-op elsewhere
-        (:mod:`rl_core.memory`). Values are unchanged; the process's RSS between steps drops
-        to about the live state. ``false``: glibc keeps the freed memory for the next step."""
+        """After a ``train_step``, return the memory the C allocator holds freed (the step's
+        temporaries) to the system: glibc ``malloc_trim(0)`` on Linux, a no-op elsewhere. It
+        trims after the first step and then whenever the process's resident memory grew by
+        256 MiB or more since the last trim (:class:`rl_core.memory.HostMemoryTrim`): a large
+        model's temporaries (1.4-1.8 GB on SmolLM2-135M) go back after every step, a tiny
+        model's stay for the next step, which would otherwise fault them in again (~25% of the
+        demo model's step). Values are unchanged. ``false``: glibc keeps the freed memory."""
         host_mmap_threshold: NonNegInt = 0
         """When > 0 (e.g. 131072), glibc maps every host allocation of at least this many bytes
         on its own and unmaps it when freed (``mallopt(M_MMAP_THRESHOLD)``, as
@@ -249,6 +252,7 @@ class HFPolicy(Offloadable, Policy):
         if config.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self._version = 0
+        self._trim = HostMemoryTrim()  # the allocator trim after train steps, when it pays
         self._params = self._trainable_parameters()
         # torch's foreach kernels cover CPU and CUDA tensors; elsewhere keep the per-tensor loop.
         self._foreach_ok = self.device.type in ("cpu", "cuda")
@@ -586,7 +590,7 @@ class HFPolicy(Offloadable, Policy):
         self.optimizer.zero_grad(set_to_none=True)
         self._version += 1
         if self.config.trim_host_memory:
-            trim_host_memory()
+            self._trim()
         metrics = {
             "loss": loss_sum,
             "grad_norm": grad_norm_f,

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rl_core.errors import ConfigError, RLError
-from rl_core.memory import trim_host_memory
 from rl_trainer.assembly import (
     build_critic,
     build_generator_beside,
@@ -219,7 +218,7 @@ async def rl_step(run_state: RunState) -> dict[str, Any]:
         )
         record["perf/rollout_wait"] = wait
     if cfg.runtime.trim_host_memory:  # after training and the weight sync: any backend's
-        trim_host_memory()  # freed temporaries (and an in-process generator's) go back
+        run_state.host_trim()  # freed temporaries (and an in-process generator's) go back
     run_state.counters.rl_step = step
     record["perf/step_time"] = time.perf_counter() - t_step
     # CPU seconds of this process (all its threads; not an external engine's) over the step.
