@@ -345,10 +345,13 @@ def advantages(
             episodes.setdefault((g, r.rollout_id), []).append(i)
         if len(episodes) < len(rollouts):
             return _episode_advantages(advantage_fn, rollouts, list(episodes.items())), None
+    # the masks as views of one tensor: one conversion instead of one per rollout
+    lengths = [len(r.loss_mask) for r in rollouts]
+    masks_T = torch.tensor([m for r in rollouts for m in r.loss_mask], dtype=torch.float32)
     inputs = AdvantageInputs(
         rewards=torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32),
         group_index=torch.tensor(list(group_index), dtype=torch.int64),
-        response_mask=[torch.tensor(r.loss_mask, dtype=torch.float32) for r in rollouts],
+        response_mask=list(torch.split(masks_T, lengths)),
         values=values,
     )
     if values is not None:
