@@ -2,15 +2,26 @@
 ``rollout.generate_fn``): a weight release mid-episode aborts only the in-flight turn, which
 resumes on the new weights; finished turns keep their tokens and versions; every trained token
 stays within ``rl.max_staleness``; and ``rl.async_mode: continuous`` runs end to end. The Ray
-variant runs the same episode on the ``ray`` runtime."""
+variant runs the same episode on the ``ray`` runtime.
+
+The in-process tests do not leave the cut to timing (before, they needed the 160-token middle
+turn to outlast a training step): the engine, decoding the first middle turn of the second round
+(generated on version 0 while step 1 trains), waits after that turn's first tokens until an abort
+is requested, which only the release of version 1 brings about; and step 1 waits until that turn
+is held, so the release cannot come before it. The Ray variant still relies on the long middle
+turn (its engine runs in another process)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import sys
 import textwrap
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,9 +41,12 @@ from rl_agents.trajectory import TrajectoryBuilder
 
 EPISODES = []  # per episode: [(turn, [(finish_reason, version, n_tokens), ...]), ...]
 LENGTHS = (3, 160, 3)
+BEFORE = None  # set by the in-process tests: called with (prompt, ctx) before its episodes
 
 
 async def three_turns(prompt, ctx):
+    if BEFORE is not None:
+        BEFORE(prompt, ctx)
     out = []
     for k in range(ctx.n_samples):
         traj = TrajectoryBuilder(prompt.token_ids, version=ctx.policy_version)
@@ -74,7 +88,55 @@ def _recipe(tiny_recipe_dict, run_dir, **rl):
         "max_staleness": 1,
         **rl,
     }
+    recipe["runtime"] = {"generator_process": False}  # the hold needs the in-process engine
     return recipe
+
+
+HOLD_LIMIT_S = 30.0
+"""A held decode step that sees no abort by then goes on (and the test fails on its record)."""
+
+
+def _hold_a_second_round_middle_turn(
+    engine,
+    later_rounds: Callable[[], list[str]],
+    held: list[tuple[str, int, bool]],
+    holding: threading.Event,
+) -> None:
+    """Make the in-process engine stop, once, inside a middle turn of the second round: after
+    that request's first decode step (so it holds sampled tokens on version 0) the next decode
+    step waits until an abort is requested (the partial-rollout machinery aborts in-flight
+    requests when a newer version is released) or ``HOLD_LIMIT_S`` passes. Only the training
+    prompts of ``later_rounds()`` are held (never the first round's: step 1, hence the release,
+    waits for them; nor evaluation's). ``held`` records ``(request_id, version served at the
+    hold, whether an abort ended it)``: one entry when the hold happened; ``holding`` is set
+    when the hold starts.
+
+    A test hook on HFGenerator internals (``_decode_step``, ``_running_ids``, ``_abort_seq``),
+    which its decode loop reads itself; without the abort on release the held step times out
+    and the middle turn is not cut."""
+    decode = engine._decode_step
+    seen_steps: dict[str, int] = {}
+
+    def middle_turns() -> list[str]:
+        later = set(later_rounds())
+        ids = sorted(engine._running_ids)  # "<uid>/<sample>/<turn>"
+        return [r for r in ids if r.endswith("/1") and r.rsplit("/", 2)[0] in later]
+
+    def held_decode(*args, **kwargs):
+        if not held:
+            for rid in middle_turns():
+                seen_steps[rid] = seen_steps.get(rid, 0) + 1
+                if seen_steps[rid] >= 2:  # its first tokens are sampled on the served version
+                    version, seq = engine.weight_version, engine._abort_seq
+                    holding.set()
+                    deadline = time.monotonic() + HOLD_LIMIT_S
+                    while engine._abort_seq == seq and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    held.append((rid, version, engine._abort_seq != seq))
+                    break
+        return decode(*args, **kwargs)
+
+    engine._decode_step = held_decode
 
 
 def _rl_rows(run_dir):
@@ -109,9 +171,48 @@ def _check_episodes(module, rows, *, steps: int) -> None:
     assert cut_episodes >= 1
 
 
+def _run_held(recipe) -> None:
+    """Run ``recipe`` in process with a second-round middle turn held until the release."""
+    trainer = Trainer(load_trainer_config(recipe))
+    module = importlib.import_module("mt_three_turns")  # the module the trainer will run
+    held: list[tuple[str, int, bool]] = []
+    holding = threading.Event()
+    waited: list[bool] = []
+    train_uids: list[str] = []  # training prompts (sampled at temperature 1; eval is greedy)
+    per_round = trainer.config.rollout.prompts_per_step
+    hooked: list[object] = []
+
+    def before(prompt, ctx) -> None:  # the models exist once the RL phase runs the rollouts
+        if ctx.sampling.temperature > 0:
+            train_uids.append(prompt.uid)
+        if hooked:
+            return
+        hooked.append(trainer.generator)
+        later = lambda: train_uids[per_round:]  # noqa: E731
+        _hold_a_second_round_middle_turn(trainer.generator, later, held, holding)
+        policy = trainer.policy
+        train_step = policy.train_step
+
+        def first_rl_step_waits_for_the_hold(*args, **kwargs):
+            # Step 1 (whose end releases version 1) waits until the second round's middle
+            # turn is held with tokens on version 0: the release cannot come before the turn.
+            if not waited:
+                waited.append(holding.wait(HOLD_LIMIT_S))
+            return train_step(*args, **kwargs)
+
+        policy.train_step = first_rl_step_waits_for_the_hold
+
+    module.BEFORE = before
+    trainer.run()
+    # The held turn had tokens on version 0 when an abort came, which only the release of
+    # version 1 requests: the cut is that release's, whatever the machine's speed.
+    assert waited == [True] and len(held) == 1, f"step 1 waited {waited}; the hold saw {held}"
+    assert held[0][1:] == (0, True), f"the hold saw {held}"
+
+
 def test_multiturn_partial_rollouts_resume_the_cut_turn(tmp_path, tiny_recipe_dict, three_turns):
     run_dir = tmp_path / "run"
-    Trainer(load_trainer_config(_recipe(tiny_recipe_dict, run_dir))).run()
+    _run_held(_recipe(tiny_recipe_dict, run_dir))
     _check_episodes(three_turns(), _rl_rows(run_dir), steps=3)
 
 
@@ -120,7 +221,7 @@ def test_continuous_mode_trains_within_the_staleness_bound(tmp_path, tiny_recipe
     recipe = _recipe(tiny_recipe_dict, run_dir, steps=4, async_mode="continuous")
     recipe["eval"] = {"every": 2}  # the producer pauses for eval and checkpoints, then goes on
     recipe["checkpoint"] = {"every": 2}
-    Trainer(load_trainer_config(recipe)).run()
+    _run_held(recipe)
     rows = _rl_rows(run_dir)
     _check_episodes(three_turns(), rows, steps=4)
     assert all(r["rollout/rounds_taken"] >= 1 for r in rows)
