@@ -23,9 +23,11 @@
 #                                to <key>/: a killed run never leaves a wheelhouse that is trusted
 #   .tmp.<key>.*/                a cold path in progress (a killed run's is removed after a day)
 # <key>: a hash of this script, the interpreter (version, platform, libc), pip's configuration
-# (its config files and PIP_* variables), the steps' arguments, the content of every file they
-# name (constraints) and the pyproject.toml / setup.cfg / setup.py of every local project they
-# name. The RL_WHEELS_KEEP (default 3) most recently used wheelhouses are kept.
+# (its config files and the PIP_* variables that can change what is resolved), the steps'
+# arguments, the content of every file they name (constraints) and the pyproject.toml /
+# setup.cfg / setup.py of every local project they name. Not in it: the index's later releases
+# of a package no file pins (e.g. setuptools): the wheelhouse keeps the version of its first run.
+# The RL_WHEELS_KEEP (default 3) most recently used wheelhouses are kept.
 # Environment: RL_WHEELS=0 (plain networked installs, no cache), RL_WHEELS_HOME, RL_WHEELS_KEEP.
 set -euo pipefail
 
@@ -99,7 +101,9 @@ key_input() {
     "$HOME/.pip/pip.conf" "${PIP_CONFIG_FILE:-}"; do
     if [[ -n $conf && -f $conf ]]; then echo "config $conf" && cat "$conf"; fi
   done
-  env | grep '^PIP_' | LC_ALL=C sort || true
+  # PIP_* variables, less those that change only pip's output, timeouts, caches and certificates
+  env | grep '^PIP_' | grep -Ev '^PIP_(LOG|LOG_FILE|QUIET|VERBOSE|PROGRESS_BAR|NO_COLOR|NO_INPUT|DEFAULT_TIMEOUT|TIMEOUT|RETRIES|CERT|CACHE_DIR|NO_CACHE_DIR|DISABLE_PIP_VERSION_CHECK|ROOT_USER_ACTION)=' |
+    LC_ALL=C sort || true
   for arg in "${STEPS[@]}"; do
     printf 'arg %q\n' "$arg"
     path=${arg%%\[*}
@@ -136,13 +140,17 @@ if [[ ${RL_WHEELS:-1} == 0 ]]; then
   exit
 fi
 
-mkdir -p "$ROOT"
+if ! mkdir -p "$ROOT" 2>/dev/null || [[ ! -w $ROOT ]]; then
+  echo "wheelhouse: $ROOT is not writable; installing from the index without a cache" >&2
+  each_step plain_step
+  exit
+fi
 KEY=$(key_input | sha256sum | cut -c1-16)
 WH="$ROOT/$KEY"
 
 if [[ -f $WH/$MARK_NAME ]]; then
   echo "wheelhouse: installing from $WH (cached, nothing to download)"
-  touch "$WH/$MARK_NAME"
+  touch "$WH/$MARK_NAME" 2>/dev/null || true # most recently used: kept by prune
   if each_step warm_step; then
     prune
     exit 0
