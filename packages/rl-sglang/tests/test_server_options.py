@@ -239,3 +239,23 @@ def test_options_cache_is_written_atomically(tmp_path: Path) -> None:
     if os.geteuid() != 0:  # root writes anyway
         _write_atomic(ro / "cache.json", "{}")
         assert os.listdir(ro) == []
+
+
+def test_launched_servers_stop_without_sglang_crash_diagnostics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang takes every SIGTERM for a possible crash and, by default, sleeps 5 s before
+    py-spying its schedulers (and on CUDA waits for core dumps): launch_server turns both off in
+    the server's environment unless the caller's environment sets them."""
+    from rl_sglang import server
+
+    seen: list[dict[str, str]] = []
+    monkeypatch.setattr(server, "ManagedProcess", lambda argv, *, env, **kw: seen.append(env))
+    monkeypatch.setattr(server, "server_argv", lambda **kw: ["python", "-m", "sglang"])
+    common = {"model_path": "/m", "python": "/py", "port": 1, "server_args": {}, "device": "cuda"}
+    server.launch_server(**common, log_dir=tmp_path, env={"PATH": "/bin"})
+    assert seen[-1]["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "0"
+    assert seen[-1]["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    server.launch_server(**common, log_dir=tmp_path, env={"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})
+    assert seen[-1]["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"  # the user's setting wins
+    assert seen[-1]["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
