@@ -25,7 +25,7 @@ def test_tasks_score_and_hold_out():
     assert a.score(ex["label"], ex["label"])["exact"] == 1.0
 
 
-def test_built_in_tasks_are_scored_inline_on_the_event_loop():
+def test_built_in_tasks_are_scored_inline_on_the_event_loop(text_group, char_tokenizer):
     """The built-in tasks' scores are quick and bounded, so the scorer calls them inline
     (``inline``, :mod:`rl_buffer.bounded`) instead of handing each response to its worker
     thread; a user's ``Task`` subclass is not inline unless it says so."""
@@ -34,7 +34,6 @@ def test_built_in_tasks_are_scored_inline_on_the_event_loop():
 
     from rl_buffer.failures import RolloutStats
     from rl_buffer.scoring import Scorer
-    from rl_core.types import Group, Prompt, Rollout
     from rl_trainer.tasks import CalculatorTask, Task
 
     assert ReverseTask.inline and AdditionTask.inline and CalculatorTask.inline
@@ -46,26 +45,8 @@ def test_built_in_tasks_are_scored_inline_on_the_event_loop():
             names.append(threading.current_thread().name)
             return super().score(response, label)
 
-    class Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(i) for i in ids)
-
     task = Watched(ReverseTask.Config(n_train=10, n_eval=2))
-    prompt = Prompt(uid="p", input="ab=", token_ids=(1,), label="ba")
-    rollouts = [
-        Rollout(
-            prompt_uid="p",
-            rollout_id=f"p/{j}",
-            sample_id=f"p/{j}",
-            tokens=(1, *map(ord, text)),
-            response_start=1,
-            loss_mask=(1,) * len(text),
-            rollout_logprobs=(0.0,) * len(text),
-            versions=(0,) * len(text),
-        )
-        for j, text in enumerate(["ba", "aa"])
-    ]
-    group = Group(prompt=prompt, rollouts=rollouts)
-    asyncio.run(Scorer(task, Tok(), timeout_s=5).score([group], RolloutStats()))
+    group = text_group("p", ["ba", "aa"], label="ba")
+    asyncio.run(Scorer(task, char_tokenizer, timeout_s=5).score([group], RolloutStats()))
     assert names == ["MainThread", "MainThread"]
-    assert [r.reward for r in rollouts] == [1.0, 0.5]
+    assert [r.reward for r in group.rollouts] == [1.0, 0.5]
