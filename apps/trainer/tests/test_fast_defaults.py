@@ -275,3 +275,16 @@ def test_the_gc_freeze_is_on_while_training_undone_at_the_end_and_changes_nothin
     assert off_seen == [0, 0, 0]
     assert on == off
     assert all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+
+
+def test_the_gc_freeze_is_chosen_for_runs_of_50_steps_or_more() -> None:
+    """``runtime.freeze_gc`` auto: on from ``FREEZE_GC_MIN_STEPS`` steps of the phase that runs
+    the run's steps (its one collection is paid back by the full collections it saves), off for
+    short runs; the recipe's value wins."""
+    from rl_trainer.defaults import FREEZE_GC_MIN_STEPS, freeze_gc
+
+    assert FREEZE_GC_MIN_STEPS == 50
+    assert freeze_gc(_cfg("rl.steps=50")) is True
+    assert freeze_gc(_cfg("rl.steps=49")) is False
+    assert freeze_gc(_cfg("rl.steps=5", "runtime.freeze_gc=true")) is True
+    assert freeze_gc(_cfg("rl.steps=500", "runtime.freeze_gc=false")) is False

@@ -84,12 +84,14 @@ def test_disabled_or_already_frozen_processes_are_left_alone(no_freeze) -> None:
     off.freeze()
     assert gc.get_freeze_count() == 0 and not off.frozen
     gc.freeze()  # the process froze its own objects first
-    mine = gc.get_freeze_count()
     other = FrozenObjects()
     assert not other.enabled
+    probes = [[] for _ in range(2000)]  # tracked, not frozen: a freeze would add them
+    mine = gc.get_freeze_count()  # (frozen objects that die meanwhile lower it a little)
     other.freeze()
+    assert not other.frozen and gc.get_freeze_count() < mine + len(probes)
     other.thaw()
-    assert gc.get_freeze_count() == mine  # neither added to nor undone
+    assert gc.get_freeze_count() > mine - len(probes)  # its own freeze is not undone
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim and statm: Linux")

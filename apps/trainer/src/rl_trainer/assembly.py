@@ -44,6 +44,7 @@ from rl_trainer.build import (
 from rl_trainer.config import TrainerConfig
 from rl_trainer.defaults import (
     auto_choices,
+    freeze_gc,
     generator_process,
     policy_compile,
     thread_split,
@@ -380,9 +381,7 @@ async def build_generator(cfg: TrainerConfig, runtime: Any, model_path: str) -> 
         threads = int(spec.options.get("threads") or cfg.threads)  # the child's torch threads
         # Spawned now; it boots in its own process while this one waits in a worker thread
         # (build_generator_beside builds the policy meanwhile).
-        generator = ProcessGenerator(
-            spec, threads=threads, wait=False, freeze_gc=cfg.runtime.freeze_gc
-        )
+        generator = ProcessGenerator(spec, threads=threads, wait=False, freeze_gc=freeze_gc(cfg))
         try:
             await asyncio.to_thread(generator.wait_ready)
         except BaseException:

@@ -569,13 +569,16 @@ class RuntimeConfig:
     step instead of being faulted in again. Values are unchanged.
     This process only: on the ``ray`` runtime the ``hf`` policy ranks trim after each train
     step themselves (``policy.trim_host_memory``)."""
-    freeze_gc: bool = True
-    """Once each phase has built its models, move every object this process holds to the
-    garbage collector's permanent generation (``gc.freeze``), and back when the run ends
-    (:class:`rl_core.memory.FrozenObjects`; a generator process does the same once built).
-    Python's full collections otherwise walk the ~370k objects of torch, transformers and the
-    models, holding the GIL (~0.1-0.3 s each) while the trainer and generator threads wait.
-    Values are unchanged; ``false`` keeps the collector as Python sets it."""
+    freeze_gc: bool | None = None
+    """Once the phase that runs the run's steps (the RL phase; the SFT phase with ``mode:
+    sft``) has built its models, move every object this process holds to the garbage
+    collector's permanent generation (``gc.freeze``, after one collection), and back when the
+    run ends (:class:`rl_core.memory.FrozenObjects`; a generator process does the same once
+    built). Python's full collections otherwise walk the ~370k objects of torch, transformers
+    and the models, holding the GIL (~0.1-0.3 s each) while the trainer and generator threads
+    wait. ``None`` (auto): on for phases of at least
+    ``rl_trainer.defaults.FREEZE_GC_MIN_STEPS`` (50) steps, where it pays for its collection.
+    Values are unchanged either way."""
     generator_process: bool | None = None
     """``local`` runtime: run the generator (a backend taking weights through
     ``load_weights``: ``hf``) in a spawned process of its own instead of in this one, so its

@@ -18,6 +18,9 @@ the recipe (or ``--set``) gives always wins::
 - ``policy.compile_model`` (auto when the recipe's ``policy`` options do not name it): only
   for an ``hf`` policy on the CPU whose RL phase is long enough to repay the compile
   (:func:`compile_min_steps`); the SFT warm-up and the reference model stay eager.
+- ``runtime.freeze_gc`` (``None`` = auto): the built objects frozen out of the garbage
+  collector's passes for the phase that runs the run's steps, when it has at least
+  :data:`FREEZE_GC_MIN_STEPS` of them (:func:`freeze_gc`).
 - ``TORCHINDUCTOR_CACHE_DIR``: when the policy compiles and the environment does not set it,
   inductor's cache goes to ``~/.cache/rl-train/inductor`` (it outlives ``/tmp`` cleaning and
   reboots: a machine pays the ~30 s cold compile once, every later run the warm one).
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPILE_COST_S",
     "COMPILE_GAIN_S",
+    "FREEZE_GC_MIN_STEPS",
     "GENERATOR_PROCESS_COST_S",
     "GENERATOR_PROCESS_GAIN_S",
     "GENERATOR_PROCESS_MIN_STEPS",
@@ -46,6 +50,7 @@ __all__ = [
     "auto_choices",
     "compile_min_steps",
     "default_inductor_cache",
+    "freeze_gc",
     "generator_process",
     "policy_compile",
     "thread_split",
@@ -77,6 +82,24 @@ COMPILE_GAIN_S = {1: 0.02, 2: 0.005}
 or more). One thread: the train phase 0.145 -> 0.125 s (demo, generator process 1 + 1,
 docs/performance.md §10; §7's train step 169-176 -> 136-148 ms). Two: small sync 0.074 -> 0.068
 and async 0.068 -> 0.063 s per step, demo none (0.172 vs 0.173; §6)."""
+
+
+FREEZE_GC_MIN_STEPS = 50
+"""Steps from which ``runtime.freeze_gc`` is on by default. The freeze costs one full collection
+(its ``gc.collect()``: ~0.1-0.3 s in a trainer process, ~1 s in a long test session's heap of
+~1M objects) and saves the full collections the loop would run, ~one per 10 demo steps at
+~0.1-0.26 s each (docs/performance.md section 15): it pays from a few tens of steps. A short
+run (every test's) is left as Python sets it."""
+
+
+def freeze_gc(cfg: TrainerConfig) -> bool:
+    """``runtime.freeze_gc`` resolved: the recipe's value, else on when the phase that runs the
+    run's steps (the RL phase; the SFT phase with ``mode: sft``) has at least
+    :data:`FREEZE_GC_MIN_STEPS` of them."""
+    if cfg.runtime.freeze_gc is not None:
+        return bool(cfg.runtime.freeze_gc)
+    steps = cfg.sft.steps if cfg.mode == "sft" else cfg.rl.steps
+    return steps >= FREEZE_GC_MIN_STEPS
 
 
 def compile_min_steps(trainer_threads: int) -> int:

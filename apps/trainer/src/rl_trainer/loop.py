@@ -51,7 +51,7 @@ from rl_core.interfaces import Critic, Generator, Policy, Tokenizer
 from rl_core.memory import FrozenObjects
 from rl_trainer.assembly import Components, assemble
 from rl_trainer.config import TrainerConfig
-from rl_trainer.defaults import thread_split
+from rl_trainer.defaults import freeze_gc, thread_split
 from rl_trainer.lifecycle import state as trainer_state
 from rl_trainer.lifecycle.checkpoint import run_dir_write_error
 from rl_trainer.lifecycle.resume_check import data_digest
@@ -266,7 +266,7 @@ class Trainer:
         """Run the mode's phases in order (:func:`phases_for`) until one is stopped by a
         signal; everything built is closed whatever happens."""
         run, cfg = self.run_state, self.config
-        run.frozen = FrozenObjects(enabled=cfg.runtime.freeze_gc)
+        run.frozen = FrozenObjects(enabled=freeze_gc(cfg))
         run.start_records(
             MetricsLogger(
                 self.run_dir,

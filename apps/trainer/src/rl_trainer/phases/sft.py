@@ -45,7 +45,8 @@ async def run(run_state: RunState) -> bool:
         **overrides,
     )
     load_resumed_models(run_state.resume, run_state.models)
-    run_state.frozen.freeze()  # what this phase built lives to its end (runtime.freeze_gc)
+    if chat:  # a chat-SFT run's steps are this phase's (the RL phase freezes otherwise)
+        run_state.frozen.freeze()  # what it built lives to its end (runtime.freeze_gc)
     counters, cap = run_state.counters, cfg.rl.max_tokens_per_micro_batch
     held_out = chat_sft.eval_rollouts(cfg, run_state.tokenizer) if chat else []
     if chat and counters.sft_step == 0 and chat_sft.eval_due(cfg, 0):  # step 0
